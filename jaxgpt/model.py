@@ -1,0 +1,273 @@
+"""The GPT as Flax Linen modules: each owns its parameters and composes the math in `ops`.
+
+    X = E[x] + P            (Embed)
+    Y = X + MHA(LN₁(X))     (Block, pre-norm; post-norm and parallel forms are options)
+    Z = Y + FFN(LN₂(Y))
+    logits = LN_f(Z) W_U    (W_U = Eᵀ when tied)
+
+`GPT(cfg).apply({'params': params}, tokens)` is a pure function of a plain params pytree.
+Generation passes an explicit `KVCache` in and gets the updated one back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxgpt import ops
+from jaxgpt.config import GPTConfig
+
+INIT_STD = 0.02
+
+
+def normal(std):
+    return nn.initializers.normal(stddev=std)
+
+
+def residual_init(cfg: GPTConfig):
+    """GPT-2 scales the projections that write into the residual stream by 1/√(2·n_layer)."""
+    return normal(INIT_STD / math.sqrt(2 * cfg.n_layer))
+
+
+# --- the KV cache ------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer for positions already seen, and where each row is.
+
+    keys[l], values[l]: (B, L, H, D); slot s holds position s. index: (B,) the number of
+    positions written so far in each row: the next tokens are written at index, index+1, …
+    Setting index lower (e.g. to each prompt's true length after a padded prefill) is
+    allowed: slots at or past index are never attended to before they are written again.
+    """
+
+    keys: tuple
+    values: tuple
+    index: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.keys[0].shape[1]
+
+
+def init_cache(cfg: GPTConfig, batch_size: int, max_length: Optional[int] = None, dtype=None) -> KVCache:
+    """An empty cache for `batch_size` rows of up to `max_length` (default block_size) positions."""
+    max_length = cfg.block_size if max_length is None else max_length
+    if not 0 < max_length <= cfg.block_size:
+        raise ValueError(f"init_cache: max_length={max_length} must be in 1…block_size={cfg.block_size}")
+    dtype = cfg.compute_dtype if dtype is None else dtype
+    shape = (batch_size, max_length, cfg.n_head, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
+    return KVCache(keys=zeros, values=zeros, index=jnp.zeros((batch_size,), jnp.int32))
+
+
+def write_cache(cache_keys, cache_values, index, k, v):
+    """Write k, v (B, T, H, D) into the cache slots index[b] … index[b]+T−1 of each row."""
+    def write_row(cache_row, new_row, start):
+        return jax.lax.dynamic_update_slice(cache_row, new_row.astype(cache_row.dtype), (start, 0, 0))
+
+    write = jax.vmap(write_row)
+    return write(cache_keys, k, index), write(cache_values, v, index)
+
+
+# --- modules ------------------------------------------------------------------------------
+
+
+class LayerNorm(nn.Module):
+    """γ ⊙ (x − μ)/√(σ² + ε) + β."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x):
+        d, dtype = x.shape[-1], self.cfg.params_dtype
+        scale = self.param("scale", nn.initializers.ones, (d,), dtype)
+        bias = self.param("bias", nn.initializers.zeros, (d,), dtype) if self.cfg.bias else None
+        return ops.layer_norm(x, scale, bias, self.cfg.norm_eps)
+
+
+class RMSNorm(nn.Module):
+    """γ ⊙ x/√(mean(x²) + ε)."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.cfg.params_dtype)
+        return ops.rms_norm(x, scale, self.cfg.norm_eps)
+
+
+def Norm(cfg: GPTConfig, name: str) -> nn.Module:
+    return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](cfg, name=name)
+
+
+class CausalSelfAttention(nn.Module):
+    """MHA(X) = concat_h(softmax(Q_h K_hᵀ/√d_k + M) V_h) W_O, with Q, K, V = X W_Q, X W_K, X W_V."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x, positions, layer_cache=None, *, deterministic=True):
+        cfg = self.cfg
+        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, use_bias=cfg.bias)
+        qkv = nn.DenseGeneral((3, cfg.n_head, cfg.head_dim), kernel_init=normal(INIT_STD), name="c_attn", **dense)(x)
+        q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]  # each (B, T, H, D)
+        if cfg.positions == "rope":
+            q, k = ops.rope(q, positions, cfg.rope_base), ops.rope(k, positions, cfg.rope_base)
+
+        if layer_cache is None:
+            k_positions = positions
+        else:
+            cache_keys, cache_values, index = layer_cache
+            k, v = write_cache(cache_keys, cache_values, index, k, v)
+            layer_cache = (k, v)
+            k_positions = jnp.arange(k.shape[1])[None, :]  # slot s holds position s
+
+        mask = ops.position_mask(positions, k_positions)[:, None]  # (B, 1, T, S)
+        bias = ops.alibi_bias_at(cfg.n_head, positions, k_positions) if cfg.positions == "alibi" else None
+
+        if cfg.attention == "explicit":
+            weights = ops.attention_weights(q, k, mask, bias)
+            self.sow("intermediates", "attention_weights", weights)
+            weights = nn.Dropout(cfg.dropout)(weights, deterministic=deterministic)
+            context = ops.attend(weights, v)
+        else:
+            context = jax.nn.dot_product_attention(
+                q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask, implementation=cfg.attention
+            )
+        out = nn.DenseGeneral(
+            cfg.d_model, axis=(-2, -1), kernel_init=residual_init(cfg), name="c_proj", **dense
+        )(context)
+        return out, layer_cache
+
+
+class MLP(nn.Module):
+    """FFN(X) = act(X W₁ + b₁) W₂ + b₂; for gated activations X W₁ is [XW, XV] and act halves it."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, use_bias=cfg.bias)
+        width = cfg.d_ff * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
+        h = nn.Dense(width, kernel_init=normal(INIT_STD), name="c_fc", **dense)(x)
+        h = ops.ACTIVATIONS[cfg.activation](h)
+        return nn.Dense(cfg.d_model, kernel_init=residual_init(cfg), name="c_proj", **dense)(h)
+
+
+class Block(nn.Module):
+    """Pre-norm:  Y = X + MHA(LN₁(X)),  Z = Y + FFN(LN₂(Y))
+    Post-norm: Y = LN₁(X + MHA(X)),  Z = LN₂(Y + FFN(Y))
+    Parallel:  Z = X + MHA(LN₁(X)) + FFN(LN₁(X))"""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x, positions, layer_cache=None, *, deterministic=True):
+        cfg = self.cfg
+        ln_1, attn, mlp = Norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
+        drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)  # noqa: E731
+        mha = lambda h: attn(h, positions, layer_cache, deterministic=deterministic)  # noqa: E731
+
+        if cfg.parallel_block:
+            h = ln_1(x)
+            a, layer_cache = mha(h)
+            return x + drop(a) + drop(mlp(h)), layer_cache
+        ln_2 = Norm(cfg, "ln_2")
+        if cfg.norm_position == "pre":
+            a, layer_cache = mha(ln_1(x))
+            y = x + drop(a)
+            return y + drop(mlp(ln_2(y))), layer_cache
+        a, layer_cache = mha(x)
+        y = ln_1(x + drop(a))
+        return ln_2(y + drop(mlp(y))), layer_cache
+
+
+class GPT(nn.Module):
+    """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U.
+
+    With `cache`, the tokens are positions cache.index … cache.index+T−1 of each row, their
+    keys and values are written into the cache, and `(logits, new_cache)` is returned.
+    Dropout is applied only when deterministic=False and a 'dropout' RNG is given.
+    """
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens, cache: Optional[KVCache] = None, *, deterministic: bool = True):
+        cfg = self.cfg
+        deterministic = deterministic or not self.has_rng("dropout")
+        T = tokens.shape[-1]
+        if cache is None:
+            positions = jnp.arange(T)[None, :]
+        else:
+            positions = cache.index[:, None] + jnp.arange(T)[None, :]
+
+        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal(INIT_STD),
+                       dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wte")
+        x = wte(tokens)
+        if cfg.positions == "learned":
+            wpe = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=normal(INIT_STD),
+                           dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wpe")
+            x = x + wpe(positions)
+        elif cfg.positions == "sinusoidal":
+            table = ops.sinusoidal_positions(cfg.block_size, cfg.d_model)
+            x = x + table[positions].astype(x.dtype)
+        x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
+        x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+
+        new_keys, new_values = [], []
+        for layer in range(cfg.n_layer):
+            layer_cache = None if cache is None else (cache.keys[layer], cache.values[layer], cache.index)
+            x, layer_cache = Block(cfg, name=f"h_{layer}")(x, positions, layer_cache, deterministic=deterministic)
+            if cache is not None:
+                new_keys.append(layer_cache[0])
+                new_values.append(layer_cache[1])
+
+        x = Norm(cfg, "ln_f")(x)
+        if cfg.tie_embeddings:
+            logits = wte.attend(x)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=normal(INIT_STD),
+                              dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="lm_head")(x)
+        logits = logits.astype(jnp.float32)
+        if cache is None:
+            return logits
+        return logits, KVCache(keys=tuple(new_keys), values=tuple(new_values), index=cache.index + T)
+
+
+# --- sizes ----------------------------------------------------------------------------------
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """The number of parameters, in closed form from the shapes."""
+    d, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    b = 1 if cfg.bias else 0
+    norm = d * (1 + (b if cfg.norm == "layernorm" else 0))
+    hidden = f * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
+    attn = d * 3 * d + b * 3 * d + d * d + b * d
+    mlp = d * hidden + b * hidden + f * d + b * d
+    norms_per_block = 1 if cfg.parallel_block else 2
+    block = attn + mlp + norms_per_block * norm
+    embeddings = V * d + (cfg.block_size * d if cfg.positions == "learned" else 0)
+    head = 0 if cfg.tie_embeddings else V * d
+    return embeddings + cfg.n_layer * block + norm + head
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weight matmuls (forward 2N, backward 4N) plus
+    12·n_layer·d_model·seq_len for QKᵀ and AV. N counts parameters used in matmuls: all but
+    the position table and, when untied, the input embedding (lookups cost no FLOPs)."""
+    n = param_count(cfg)
+    if cfg.positions == "learned":
+        n -= cfg.block_size * cfg.d_model
+    if not cfg.tie_embeddings:
+        n -= cfg.vocab_size * cfg.d_model
+    return 6 * n + 12 * cfg.n_layer * cfg.d_model * seq_len

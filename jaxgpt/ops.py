@@ -1,0 +1,172 @@
+"""The mathematics of a GPT as pure functions of arrays.
+
+One function per equation, no parameters and no Flax: `model.py` owns the parameters and
+composes these. Shape letters: B batch, T query positions, S key positions, H heads,
+D head size, d model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# --- masks and attention ---------------------------------------------------------------
+
+
+def position_mask(q_positions, k_positions):
+    """M[..., t, s] = (k_pos[s] ≤ q_pos[t]): a query sees keys at its own position or earlier."""
+    return k_positions[..., None, :] <= q_positions[..., :, None]
+
+
+def causal_mask(n):
+    """M[i, j] = (j ≤ i): True on and below the diagonal, shape (n, n)."""
+    positions = jnp.arange(n)
+    return position_mask(positions, positions)
+
+
+def attention_weights(q, k, mask=None, bias=None):
+    """A = softmax(QKᵀ/√d_k + bias + M), with M = −∞ where mask is False; 'BTHD,BSHD->BHTS'.
+
+    mask and bias broadcast to (B, H, T, S). Scores and softmax are computed in float32.
+    """
+    scores = jnp.einsum("BTHD,BSHD->BHTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def attend(weights, v):
+    """Context vectors C = A V, 'BHTS,BSHD->BTHD'."""
+    return jnp.einsum("BHTS,BSHD->BTHD", weights.astype(v.dtype), v)
+
+
+def attention(q, k, v, mask=None, bias=None):
+    """Multi-head attention softmax(QKᵀ/√d_k + M) V for q (B,T,H,D), k and v (B,S,H,D) → (B,T,H,D)."""
+    return attend(attention_weights(q, k, mask, bias), v)
+
+
+# --- normalisation ----------------------------------------------------------------------
+
+
+def layer_norm(x, scale, bias=None, eps=1e-5):
+    """LN(x) = γ ⊙ (x − μ)/√(σ² + ε) + β over the last axis, σ² the biased variance."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(axis=-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * scale
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype)
+
+
+def rms_norm(x, scale, eps=1e-6):
+    """RMSNorm(x) = γ ⊙ x/√(mean(x²) + ε) over the last axis."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(axis=-1, keepdims=True) + eps) * scale
+    return y.astype(x.dtype)
+
+
+# --- activations (the FFN non-linearity) ------------------------------------------------
+
+
+def gelu(x):
+    """GELU, tanh approximation: ½x(1 + tanh(√(2/π)(x + 0.044715x³)))."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_exact(x):
+    """GELU(x) = x Φ(x) = ½x(1 + erf(x/√2))."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def relu(x):
+    """ReLU(x) = max(0, x)."""
+    return jax.nn.relu(x)
+
+
+def swiglu(x):
+    """SwiGLU([a, b]) = silu(a) ⊙ b, a and b the two halves of the last axis (XW and XV)."""
+    a, b = jnp.split(x, 2, axis=-1)
+    return jax.nn.silu(a) * b
+
+
+def geglu(x):
+    """GeGLU([a, b]) = gelu(a) ⊙ b, a and b the two halves of the last axis (XW and XV)."""
+    a, b = jnp.split(x, 2, axis=-1)
+    return gelu(a) * b
+
+
+ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "relu": relu, "swiglu": swiglu, "geglu": geglu}
+GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
+
+# --- positions ---------------------------------------------------------------------------
+
+
+def sinusoidal_positions(n, d):
+    """PE[i, 2j] = sin(i/10000^(2j/d)), PE[i, 2j+1] = cos(i/10000^(2j/d)), i = 0…n−1; shape (n, d)."""
+    i = jnp.arange(n, dtype=jnp.float32)[:, None]
+    two_j = jnp.arange(0, d, 2, dtype=jnp.float32)[None, :]
+    angles = i / jnp.power(10000.0, two_j / d)
+    pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(n, -1)
+    return pe[:, :d]
+
+
+def rope(x, positions, base=10000.0):
+    """RoPE: rotate each pair (x_{2j}, x_{2j+1}) by the angle p·base^(−2j/D); x (B,T,H,D), positions (B,T) or (T,)."""
+    d = x.shape[-1]
+    inv_freq = jnp.power(base, -jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = jnp.asarray(positions, jnp.float32)[..., None, None] * inv_freq  # (B,T,1,D/2)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], d // 2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def alibi_slopes(n_head):
+    """ALiBi head slopes m_h = 2^(−8h/H), h = 1…H; for H not a power of two, the closest
+    power of two's slopes followed by every other slope of twice that many heads."""
+    def geometric(n):
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    power = 2 ** math.floor(math.log2(n_head))
+    slopes = geometric(power)
+    if power < n_head:
+        slopes += geometric(2 * power)[0::2][: n_head - power]
+    return jnp.asarray(slopes, jnp.float32)
+
+
+def alibi_bias_at(n_head, q_positions, k_positions):
+    """ALiBi bias b[h, t, s] = −m_h (q_pos[t] − k_pos[s]); positions (..., T) and (..., S) → (..., H, T, S)."""
+    distance = q_positions[..., :, None] - k_positions[..., None, :]
+    slopes = alibi_slopes(n_head)[:, None, None]
+    return -slopes * distance[..., None, :, :].astype(jnp.float32)
+
+
+def alibi_bias(n_head, n):
+    """ALiBi bias b[h, i, j] = −m_h (i − j) for a sequence of n positions; shape (H, n, n)."""
+    positions = jnp.arange(n)
+    return alibi_bias_at(n_head, positions, positions)
+
+
+# --- loss ---------------------------------------------------------------------------------
+
+
+def cross_entropy(logits, targets, mask=None):
+    """L = −(1/N) Σ_i log softmax(logits_i)[y_i], the mean over the N targets where mask is True."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    if mask is None:
+        return nll.mean()
+    mask = mask.astype(jnp.float32)
+    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def perplexity(loss):
+    """PPL = exp(L)."""
+    return jnp.exp(loss)

@@ -1,0 +1,159 @@
+"""Float64 NumPy evaluations of the GPT equations, written independently of jaxgpt.ops.
+
+Loops and explicit formulas, no vectorised tricks: slow and plain, so they are easy to
+check by eye against the equations in DESIGN.md.
+"""
+
+import math
+
+import numpy as np
+
+
+def softmax(x, axis=-1):
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def attention(q, k, v, mask=None, bias=None):
+    """Head by head: out[b,:,h] = softmax(q k^T/√D + bias + M) v, with M = −∞ where mask is False."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    out = np.zeros((B, T, H, D))
+    for b in range(B):
+        for h in range(H):
+            scores = q[b, :, h, :] @ k[b, :, h, :].T / math.sqrt(D)
+            if bias is not None:
+                scores = scores + np.broadcast_to(bias, (B, H, T, S))[b, h]
+            if mask is not None:
+                scores = np.where(np.broadcast_to(mask, (B, H, T, S))[b, h], scores, -np.inf)
+            out[b, :, h, :] = softmax(scores) @ v[b, :, h, :]
+    return out
+
+
+def layer_norm(x, scale, bias=None, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    y = scale * (x - mean) / np.sqrt(var + eps)
+    return y if bias is None else y + bias
+
+
+def rms_norm(x, scale, eps):
+    return scale * x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gelu_exact(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def activation(name, h):
+    half = h.shape[-1] // 2
+    a, b = h[..., :half], h[..., half:]
+    return {
+        "gelu": lambda: gelu_tanh(h),
+        "gelu_exact": lambda: gelu_exact(h),
+        "relu": lambda: np.maximum(h, 0),
+        "swiglu": lambda: silu(a) * b,
+        "geglu": lambda: gelu_tanh(a) * b,
+    }[name]()
+
+
+def sinusoidal(n, d):
+    pe = np.zeros((n, d))
+    for i in range(n):
+        for j in range(d // 2):
+            angle = i / 10000 ** (2 * j / d)
+            pe[i, 2 * j], pe[i, 2 * j + 1] = math.sin(angle), math.cos(angle)
+    return pe
+
+
+def rope(x, positions, base=10000.0):
+    """Rotate each (x_{2j}, x_{2j+1}) at position p by the 2×2 rotation of angle p·base^(−2j/D)."""
+    out = np.empty_like(x)
+    B, T, H, D = x.shape
+    for b in range(B):
+        for t in range(T):
+            p = positions[b, t]
+            for j in range(D // 2):
+                theta = p * base ** (-2 * j / D)
+                c, s = math.cos(theta), math.sin(theta)
+                rotation = np.array([[c, -s], [s, c]])
+                out[b, t, :, 2 * j: 2 * j + 2] = x[b, t, :, 2 * j: 2 * j + 2] @ rotation.T
+    return out
+
+
+def alibi_slopes(n_head):
+    p = 2 ** int(math.floor(math.log2(n_head)))
+    slopes = [2 ** (-8 * h / p) for h in range(1, p + 1)]
+    return slopes + [2 ** (-8 * h / (2 * p)) for h in range(1, 2 * p + 1, 2)][: n_head - p]
+
+
+def gpt_forward(cfg, params, tokens):
+    """logits = LN_f(Blocks(E[x] + P)) W_U in float64, following the GPTConfig's choices."""
+    p = _to_float64(params)
+    B, T = tokens.shape
+    H, D, d = cfg.n_head, cfg.d_model // cfg.n_head, cfg.d_model
+    positions = np.tile(np.arange(T), (B, 1))
+
+    def norm(x, q):
+        if cfg.norm == "layernorm":
+            return layer_norm(x, q["scale"], q.get("bias"), cfg.norm_eps)
+        return rms_norm(x, q["scale"], cfg.norm_eps)
+
+    def dense(x, q):
+        y = np.tensordot(x, q["kernel"], axes=1)
+        return y + q["bias"] if "bias" in q else y
+
+    def mha(x, q):
+        qkv = np.einsum("btd,dchk->cbthk", x, q["c_attn"]["kernel"])
+        if "bias" in q["c_attn"]:
+            qkv = qkv + q["c_attn"]["bias"][:, None, None]
+        qh, kh, vh = qkv
+        if cfg.positions == "rope":
+            qh, kh = rope(qh, positions, cfg.rope_base), rope(kh, positions, cfg.rope_base)
+        mask = np.tril(np.ones((T, T), bool))
+        bias = None
+        if cfg.positions == "alibi":
+            i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+            bias = np.stack([-m * (i - j) for m in alibi_slopes(H)])[None]
+        ctx = attention(qh, kh, vh, mask, bias)
+        out = np.einsum("bthk,hkd->btd", ctx, q["c_proj"]["kernel"])
+        return out + q["c_proj"]["bias"] if "bias" in q["c_proj"] else out
+
+    def ffn(x, q):
+        return dense(activation(cfg.activation, dense(x, q["c_fc"])), q["c_proj"])
+
+    E = p["wte"]["embedding"]
+    x = E[tokens]
+    if cfg.positions == "learned":
+        x = x + p["wpe"]["embedding"][:T]
+    elif cfg.positions == "sinusoidal":
+        x = x + sinusoidal(T, d)
+    for layer in range(cfg.n_layer):
+        q = p[f"h_{layer}"]
+        if cfg.parallel_block:
+            h = norm(x, q["ln_1"])
+            x = x + mha(h, q["attn"]) + ffn(h, q["mlp"])
+        elif cfg.norm_position == "pre":
+            y = x + mha(norm(x, q["ln_1"]), q["attn"])
+            x = y + ffn(norm(y, q["ln_2"]), q["mlp"])
+        else:
+            y = norm(x + mha(x, q["attn"]), q["ln_1"])
+            x = norm(y + ffn(y, q["mlp"]), q["ln_2"])
+    x = norm(x, p["ln_f"])
+    W_U = E.T if cfg.tie_embeddings else p["lm_head"]["kernel"]
+    return x @ W_U
+
+
+def _to_float64(tree):
+    if isinstance(tree, dict):
+        return {k: _to_float64(v) for k, v in tree.items()}
+    return np.asarray(tree, np.float64)

@@ -1,0 +1,53 @@
+"""Impossible settings raise ValueError naming the field, the value and what would be valid."""
+
+import jax
+import pytest
+
+from jaxgpt import GPTConfig
+
+
+def test_defaults_are_gpt2():
+    cfg = GPTConfig()
+    assert (cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model) == (50257, 1024, 12, 12, 768)
+    assert cfg.d_ff == 4 * 768 and cfg.head_dim == 64
+    assert (cfg.positions, cfg.norm, cfg.norm_position, cfg.activation) == ("learned", "layernorm", "pre", "gelu")
+    assert cfg.bias and cfg.tie_embeddings and not cfg.parallel_block
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (dict(d_model=100, n_head=3), r"d_model=100 is not divisible by n_head=3"),
+        (dict(d_model=12, n_head=4, positions="rope"), r"positions='rope' needs an even head size.*= 3"),
+        (dict(positions="rotary"), r"positions='rotary': must be one of learned, sinusoidal, rope, alibi, none"),
+        (dict(norm="batchnorm"), r"norm='batchnorm': must be one of layernorm, rmsnorm"),
+        (dict(norm_position="middle"), r"norm_position='middle': must be one of pre, post"),
+        (dict(activation="tanh"), r"activation='tanh': must be one of gelu, gelu_exact, relu, swiglu, geglu"),
+        (dict(attention="flash"), r"attention='flash': must be one of explicit, xla, cudnn"),
+        (dict(dtype="int8"), r"dtype='int8': must be one of"),
+        (dict(n_layer=0), r"n_layer=0: must be a positive integer"),
+        (dict(d_model=-8), r"d_model=-8: must be a positive integer"),
+        (dict(vocab_size=3.5), r"vocab_size=3.5: must be a positive integer"),
+        (dict(d_ff=0), r"d_ff=0: must be a positive integer"),
+        (dict(dropout=1.0), r"dropout=1.0: must be in \[0, 1\)"),
+        (dict(dropout=-0.1), r"dropout=-0.1: must be in \[0, 1\)"),
+        (dict(bias="yes"), r"bias='yes': must be True or False"),
+        (dict(parallel_block=True, norm_position="post"), r"parallel_block=True with norm_position='post'"),
+    ],
+)
+def test_impossible_settings_raise(changes, expected):
+    with pytest.raises(ValueError, match=expected):
+        GPTConfig(**{**dict(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8), **changes})
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn is valid where a GPU is present")
+def test_cudnn_without_gpu_raises():
+    with pytest.raises(ValueError, match=r"attention='cudnn' needs a CUDA GPU.*use attention='xla' or 'explicit'"):
+        GPTConfig(attention="cudnn")
+
+
+def test_round_trip_through_dict_and_unknown_field():
+    cfg = GPTConfig(vocab_size=99, n_layer=2, positions="rope")
+    assert GPTConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r"no field\(s\) n_layers"):
+        GPTConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
