@@ -1,0 +1,133 @@
+"""Devices and hosts: the mesh, where each parameter lives on it, and multi-host start.
+
+The mesh has three axes: `data` (batch rows, parameters replicated), `fsdp` (batch rows,
+and one large dimension of each matrix sharded, gathered when used) and `tensor` (attention
+heads and the FFN hidden dimension split across devices). The batch is split over
+('data', 'fsdp'). XLA inserts the collectives; the model code never mentions devices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# (regex on the '/'-joined path of a leaf, spec of its dimensions). Optimizer states mirror
+# the params tree, so the same rules place them: the path ends with the parameter's path.
+PARTITION_RULES = (
+    (r"wte/embedding$", P("tensor", "fsdp")),  # (V, d)
+    (r"wpe/embedding$", P(None, "fsdp")),  # (N, d)
+    (r"attn/c_attn/kernel$", P("fsdp", None, "tensor", None)),  # (d, 3, H, D)
+    (r"attn/c_attn/bias$", P(None, "tensor", None)),  # (3, H, D)
+    (r"attn/c_proj/kernel$", P("tensor", None, "fsdp")),  # (H, D, d)
+    (r"mlp/c_fc/kernel$", P("fsdp", "tensor")),  # (d, F)
+    (r"mlp/c_fc/bias$", P("tensor")),  # (F,)
+    (r"mlp/c_proj/kernel$", P("tensor", "fsdp")),  # (F, d)
+    (r"lm_head/kernel$", P("fsdp", "tensor")),  # (d, V)
+)
+
+
+def make_mesh(mesh_cfg) -> Mesh:
+    """A (data, fsdp, tensor) mesh from sizes in the config; one size may be −1 (= the rest)."""
+    sizes = [int(mesh_cfg[axis]) for axis in AXES]
+    n = jax.device_count()
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))}: at most one axis may be -1 (all remaining devices)")
+    known = math.prod(s for s in sizes if s != -1)
+    if any(s == 0 or s < -1 for s in sizes) or n % known:
+        raise ValueError(
+            f"mesh {dict(zip(AXES, sizes))} does not fit {n} devices: the sizes must be positive "
+            f"(or -1) and their product must divide {n}"
+        )
+    sizes = [n // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != n:
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} uses {math.prod(sizes)} of {n} devices: make the product {n}")
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def _path_string(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def fit_spec(spec: P, shape, mesh: Mesh) -> P:
+    """Drop the mesh axes that do not divide their dimension (e.g. a vocabulary of 65 over 2)."""
+    dims = []
+    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        size = 1 if axis is None else math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
+        dims.append(axis if size > 1 and dim % size == 0 else None)
+    return P(*dims)
+
+
+def spec_for(path: str, shape) -> P:
+    for pattern, spec in PARTITION_RULES:
+        if re.search(pattern, path) and len(spec) == len(shape):
+            return spec
+    return P()
+
+
+def tree_shardings(tree, mesh: Mesh):
+    """A NamedSharding for every leaf of a (params, optimizer state, …) pytree of shapes."""
+    def sharding(path, leaf):
+        shape = getattr(leaf, "shape", ())
+        return NamedSharding(mesh, fit_spec(spec_for(_path_string(path), shape), shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Rows of a batch split over the data and fsdp axes; the other dimensions whole."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def batch_size_divisor(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def maybe_initialize_distributed(dist_cfg=None) -> None:
+    """Start multi-host JAX when the config or the environment names a coordinator.
+
+    Config keys (all optional): coordinator_address, num_processes, process_id. The usual
+    environment variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) work
+    too, as do the cluster environments jax.distributed detects itself (SLURM, TPU pods)
+    when `dist_cfg.auto` is true.
+    """
+    dist_cfg = dist_cfg or {}
+    address = dist_cfg.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address and not dist_cfg.get("auto"):
+        return
+    kwargs = {}
+    if address:
+        kwargs["coordinator_address"] = address
+        num = dist_cfg.get("num_processes") or os.environ.get("JAX_NUM_PROCESSES")
+        pid = dist_cfg.get("process_id")
+        pid = os.environ.get("JAX_PROCESS_ID") if pid is None else pid
+        if num is None or pid is None:
+            raise ValueError(
+                f"distributed.coordinator_address={address!r} needs num_processes and process_id "
+                "(config keys or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+            )
+        kwargs.update(num_processes=int(num), process_id=int(pid))
+    # Collectives between CPU processes (tests, CPU clusters); GPUs and TPUs use their own.
+    jax.config.update("jax_cpu_collectives_implementation", dist_cfg.get("cpu_collectives") or "gloo")
+    jax.distributed.initialize(**kwargs)
+
+
+def local_rows(batch_sharding_: NamedSharding, global_shape) -> slice:
+    """The rows of a global batch that live on this process's devices (one contiguous range),
+    i.e. what this process must feed to jax.make_array_from_process_local_data."""
+    indices = batch_sharding_.addressable_devices_indices_map(tuple(global_shape)).values()
+    row_axis = list(batch_sharding_.spec).index(BATCH_AXES) if BATCH_AXES in batch_sharding_.spec else 0
+    starts = [(index[row_axis].start or 0) for index in indices]
+    stops = [(index[row_axis].stop if index[row_axis].stop is not None else global_shape[row_axis]) for index in indices]
+    return slice(min(starts), max(stops))
+
+
+def micro_batches_sharding(mesh: Mesh) -> NamedSharding:
+    """(k, B, T) micro-batches: the k axis whole (scanned over), rows split like a batch."""
+    return NamedSharding(mesh, P(None, BATCH_AXES, None))

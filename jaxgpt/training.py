@@ -1,0 +1,488 @@
+"""Training: the train state, jitted pure train and eval steps, and the loop around them.
+
+    state = (step, params, opt_state)
+    train_step(state, batch, key) -> (state', metrics)    one optimizer update, jitted, donated
+    eval_step(params, inputs, targets, mask) -> (Σ loss, Σ count)
+
+The loop adds what a run needs: data on the devices, logging, evaluation, checkpoints,
+resume, the NaN guard and clean stops on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxgpt import checkpoint, ops, sharding
+from jaxgpt.config import GPTConfig
+from jaxgpt.model import GPT, flops_per_token
+from jaxgpt.optim import learning_rate_schedule, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (non-finite loss, incompatible resume, bad settings)."""
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "params": self.params, "opt_state": self.opt_state}
+
+    @classmethod
+    def from_dict(cls, tree: dict) -> "TrainState":
+        return cls(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+
+
+# --- the pure steps -------------------------------------------------------------------------
+
+
+def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None):
+    """Mean cross-entropy of the model's next-token predictions."""
+    rngs = {} if dropout_key is None else {"dropout": dropout_key}
+    logits = model.apply({"params": params}, inputs, deterministic=dropout_key is None, rngs=rngs)
+    return ops.cross_entropy(logits, targets, mask)
+
+
+def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable):
+    """train_step(state, (inputs, targets), key): inputs and targets (k, B, T) hold k
+    micro-batches; their gradients are summed in a lax.scan (one gradient-sized buffer) and
+    averaged, so k micro-batches give the update of one batch of k·B rows."""
+    model = GPT(model_cfg)
+    use_dropout = model_cfg.dropout > 0
+
+    def train_step(state: TrainState, batch, key):
+        inputs, targets = batch
+        k = inputs.shape[0]
+
+        def micro_step(grad_sum, micro):
+            x, y, i = micro
+            dropout_key = jax.random.fold_in(key, i) if use_dropout else None
+            loss, grads = jax.value_and_grad(loss_fn, argnums=1)(model, state.params, x, y, None, dropout_key)
+            return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets, jnp.arange(k)))
+        grads = jax.tree.map(lambda g: g / k, grad_sum)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(model_cfg: GPTConfig):
+    model = GPT(model_cfg)
+
+    def eval_step(params, inputs, targets, mask):
+        logits = model.apply({"params": params}, inputs)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        mask = mask.astype(jnp.float32)
+        return (nll * mask).sum(), mask.sum()
+
+    return eval_step
+
+
+def init_state(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, key) -> TrainState:
+    params = GPT(model_cfg).init(key, jnp.zeros((1, model_cfg.block_size), jnp.int32))["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def sharded_init(model_cfg, optimizer, key, mesh):
+    """Initialise directly into the shardings the partition rules give: the shapes come from
+    jax.eval_shape, so a large model never materialises on one device."""
+    abstract = jax.eval_shape(lambda k: init_state(model_cfg, optimizer, k), key)
+    shardings = sharding.tree_shardings(abstract, mesh)
+    state = jax.jit(lambda k: init_state(model_cfg, optimizer, k), out_shardings=shardings)(key)
+    return state, shardings
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of a large square matmul on the default device: the CPU's practical peak."""
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    repeats, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        matmul(a, a).block_until_ready()
+        repeats += 1
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_flops(train_cfg) -> Optional[float]:
+    """The configured peak FLOP/s for MFU; on a CPU with none configured, measured."""
+    configured = train_cfg.get("peak_flops")
+    if configured:
+        return float(configured) * jax.device_count()
+    if jax.default_backend() == "cpu":
+        return measure_matmul_peak()
+    return None
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+class StopRequested:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step, so the run saves a
+    checkpoint and exits cleanly instead of dying mid-step. A second signal stops at once."""
+
+    def __init__(self):
+        self.signal_name: Optional[str] = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def model_config(config, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of a run: the config's model section, the vocabulary from the tokenizer."""
+    values = dict(config.model)
+    if not values.get("vocab_size"):
+        values["vocab_size"] = vocab_size
+    elif values["vocab_size"] < vocab_size:
+        raise ValueError(f"model.vocab_size={values['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    return GPTConfig.from_dict(values)
+
+
+def write_json(path: Path, value) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory (one JSON object per line), TensorBoard when
+    tensorboardX is installed, and a progress bar on the terminal."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.tensorboard = None
+        if enabled:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                pass
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        disable=not enabled, file=sys.stderr, mininterval=0.5)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+
+    def progress(self, steps: int, **fields) -> None:
+        self.bar.update(steps)
+        if fields:
+            self.bar.set_postfix({k: v for k, v in fields.items() if v is not None}, refresh=False)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def train(config) -> dict:
+    """Run training as the config says: returns the final metrics and whether it was stopped.
+
+    config sections: model (GPTConfig fields; vocab_size from the tokenizer when 0), data
+    (jaxgpt.data), train (optimizer, schedule, steps, batch, logging, checkpoints), mesh
+    (data, fsdp, tensor sizes), distributed; and run_dir, resume (auto | never | must).
+    """
+    from jaxgpt import data  # the data pipeline knows nothing of the model; only the run joins them
+
+    sharding.maybe_initialize_distributed(config.get("distributed"))
+    lead = jax.process_index() == 0
+    tc = config.train
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    checkpoints = checkpoint.Checkpoints(run_dir, keep=tc.keep_checkpoints)
+    resume = config.get("resume", "auto")
+    if resume not in ("auto", "never", "must"):
+        raise ValueError(f"resume={resume!r}: must be auto, never or must")
+    has_checkpoints = bool(checkpoints.steps())
+    if resume == "must" and not has_checkpoints:
+        raise TrainingError(f"resume='must' but {run_dir} has no checkpoint to resume from")
+    if resume == "never" and has_checkpoints:
+        raise TrainingError(
+            f"resume='never' but {run_dir} already holds checkpoints (steps {checkpoints.steps()}): "
+            "choose another --config.run_dir or remove that directory"
+        )
+    resuming = has_checkpoints
+
+    corpus = data.prepare(config.data)
+    tokenizer = corpus.tokenizer
+    cfg = model_config(config, tokenizer.vocab_size)
+    saved_config_path = run_dir / "config.json"
+    if resuming and saved_config_path.exists():
+        saved_model = json.loads(saved_config_path.read_text()).get("model")
+        if saved_model != cfg.to_dict():
+            raise TrainingError(
+                f"{run_dir} holds a run of another model ({saved_model}); resume it with its own "
+                "config or choose another --config.run_dir"
+            )
+    resolved = config.to_dict()
+    resolved["model"] = cfg.to_dict()
+    if lead:
+        write_json(saved_config_path, resolved)
+        tokenizer.save(run_dir / "tokenizer.json")
+
+    mesh = sharding.make_mesh(config.mesh)
+    accum, batch_size, T = int(tc.grad_accum), int(tc.batch_size), cfg.block_size
+    divisor = sharding.batch_size_divisor(mesh)
+    if batch_size % divisor:
+        raise ValueError(f"train.batch_size={batch_size} must be divisible by the mesh's data×fsdp size {divisor}")
+
+    optimizer = make_optimizer(tc)
+    schedule = learning_rate_schedule(tc)
+    key = jax.random.key(tc.seed)
+    state, state_shardings = sharded_init(cfg, optimizer, key, mesh)
+    start_step = 0
+    if resuming:
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                state.to_dict(), state_shardings.to_dict())
+        restored, start_step = checkpoints.restore(abstract)
+        state = TrainState.from_dict(restored)
+
+    batches_sharding = sharding.micro_batches_sharding(mesh)
+    train_step = jax.jit(
+        make_train_step(cfg, optimizer, schedule),
+        in_shardings=(state_shardings, (batches_sharding, batches_sharding), None),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(make_eval_step(cfg))
+
+    rows = sharding.local_rows(batches_sharding, (accum, batch_size, T))
+
+    def make_batch(step: int):
+        parts = [
+            data.train_batch(corpus.train, seed=tc.seed, step=step, batch_size=accum * batch_size, block_size=T,
+                             rows=(j * batch_size + rows.start, j * batch_size + rows.stop))
+            for j in range(accum)
+        ]
+        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+
+    def evaluate(params) -> dict:
+        eval_sharding = sharding.batch_sharding(mesh)
+        eval_rows = sharding.local_rows(eval_sharding, (tc.eval_batch_size, T))
+        loss_sum, count = 0.0, 0.0
+        for i, (x, y, m) in enumerate(data.eval_batches(corpus.val, batch_size=tc.eval_batch_size, block_size=T,
+                                                        stride=config.data.get("eval_stride"))):
+            if tc.get("eval_max_batches") and i >= tc.eval_max_batches:
+                break
+            x, y, m = (pad_rows(a, tc.eval_batch_size)[eval_rows] for a in (x, y, m))
+            arrays = [jax.make_array_from_process_local_data(eval_sharding, a, (tc.eval_batch_size, T)) for a in (x, y, m)]
+            s, c = eval_step(params, *arrays)
+            loss_sum, count = loss_sum + float(s), count + float(c)
+        loss = loss_sum / max(count, 1.0)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+                "val_bpb": loss / math.log(2) / corpus.bytes_per_token["val"]}
+
+    tokens_per_step = accum * batch_size * T
+    flops = flops_per_token(cfg, T)
+    peak = peak_flops(tc)
+    metrics_log = MetricsLog(run_dir, tc.steps, start_step, enabled=lead)
+    if lead:
+        metrics_log.message(
+            f"jaxgpt: {cfg.n_layer} layers, d_model {cfg.d_model}, {jax.device_count()} {jax.default_backend()} "
+            f"device(s), mesh {dict(mesh.shape)}, {tokens_per_step} tokens/step, "
+            f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}; "
+            + (f"MFU against a peak of {peak / 1e9:.0f} GFLOP/s" if peak else "MFU not reported (set train.peak_flops)")
+        )
+
+    pending: list = []  # (step, device metrics) not yet fetched
+    last_fetched = {"loss": float("nan"), "grad_norm": float("nan"), "lr": float("nan")}
+    interval_losses: list = []
+    last_val: Optional[dict] = None
+    interval_start = time.perf_counter()
+    run_start = time.perf_counter()
+    step = start_step
+    interrupted = None
+
+    def fetch() -> None:
+        """Bring pending metrics to the host; stop on the first non-finite loss or gradient."""
+        nonlocal pending
+        for s, m in pending:
+            values = {k: float(v) for k, v in jax.device_get(m).items()}
+            if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+                good = checkpoints.steps()
+                raise TrainingError(
+                    f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) at step {s}: "
+                    f"stopping. The last good checkpoint is {'step ' + str(good[-1]) if good else 'none'} in {run_dir}; "
+                    "lower train.lr or raise train.warmup_steps and resume"
+                )
+            interval_losses.append(values["loss"])
+            last_fetched.update(values)
+        pending = []
+
+    def save(at_step: int, val_loss=None) -> None:
+        checkpoints.save(at_step, state.to_dict(), val_loss=val_loss)
+
+    with data.prefetch_to_device(make_batch, start_step, batches_sharding, size=2) as batches, StopRequested() as stop:
+        try:
+            while step < tc.steps:
+                batch = next(batches)
+                state, metrics = train_step(state, batch, jax.random.fold_in(key, step))
+                step += 1
+                pending.append((step, metrics))
+                is_last = step == tc.steps
+                do_eval = is_last or step % tc.eval_every == 0
+                do_ckpt = is_last or do_eval or step % tc.ckpt_every == 0 or stop.signal_name
+                if step % tc.log_every == 0 or do_eval or do_ckpt:
+                    fetch()
+                    now = time.perf_counter()
+                    interval_steps = len(interval_losses)
+                    tokens_per_sec = interval_steps * tokens_per_step / max(now - interval_start, 1e-9)
+                    record = {
+                        "step": step,
+                        "train_loss": sum(interval_losses) / max(interval_steps, 1),
+                        "lr": last_fetched["lr"],
+                        "grad_norm": last_fetched["grad_norm"],
+                        "tokens_per_sec": tokens_per_sec,
+                        "mfu": flops * tokens_per_sec / peak if peak else None,
+                        "elapsed": now - run_start,
+                        "tokens_seen": step * tokens_per_step,
+                    }
+                    if do_eval:
+                        last_val = evaluate(state.params)
+                        record.update(last_val)
+                        metrics_log.message(
+                            f"step {step}: train loss {record['train_loss']:.4f}, val loss {last_val['val_loss']:.4f}, "
+                            f"val ppl {last_val['val_ppl']:.2f}, val bpb {last_val['val_bpb']:.3f}"
+                        )
+                    metrics_log.write(record)
+                    metrics_log.progress(
+                        interval_steps, loss=f"{record['train_loss']:.4f}", lr=f"{record['lr']:.2e}",
+                        tok_s=f"{tokens_per_sec:,.0f}", mfu=f"{record['mfu']:.1%}" if peak else None,
+                    )
+                    interval_losses.clear()
+                    if do_ckpt:
+                        save(step, last_val["val_loss"] if do_eval else None)
+                    interval_start = time.perf_counter()  # evaluation and saving are not training time
+                if stop.signal_name:
+                    interrupted = stop.signal_name
+                    break
+        except KeyboardInterrupt:
+            interrupted = "SIGINT"
+        finally:
+            checkpoints.close()
+            metrics_log.close()
+
+    if lead:
+        from jaxgpt import viz
+
+        viz.plot_loss(run_dir)
+        if interrupted:
+            print(f"stopped by {interrupted} at step {step}; checkpoint saved in {run_dir}. "
+                  "Run the same command again to resume.", file=sys.stderr)
+    return {"step": step, "train_loss": last_fetched["loss"], "interrupted": interrupted,
+            "run_dir": str(run_dir), **(last_val or {})}
+
+
+def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
+    """Pad a batch with zero rows up to `rows` (their mask is zero, so they count for nothing)."""
+    missing = rows - array.shape[0]
+    return array if missing == 0 else np.concatenate([array, np.zeros((missing, *array.shape[1:]), array.dtype)])
+
+
+def default_config():
+    """Every key a run reads, with defaults; configs/*.py start from this and change what
+    their preset needs, and the command line overrides any of it."""
+    import dataclasses
+
+    from ml_collections import ConfigDict, config_dict
+
+    from jaxgpt import data
+
+    model = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    model["vocab_size"] = 0  # 0: the tokenizer's vocabulary size
+    model["d_ff"] = config_dict.placeholder(int)
+    config = ConfigDict({
+        "model": model,
+        "data": data.default_data_config(),
+        "train": {
+            "seed": 0,
+            "steps": 2000,
+            "batch_size": 12,  # rows per micro-batch, over all devices
+            "grad_accum": 1,  # micro-batches per optimizer step
+            "lr": 1e-3,
+            "min_lr": 1e-4,
+            "warmup_steps": 100,
+            "decay_steps": config_dict.placeholder(int),  # None: the run's steps
+            "b1": 0.9,
+            "b2": 0.99,
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "decay_embeddings": True,
+            "clip": 1.0,
+            "eval_every": 250,
+            "eval_batch_size": 32,
+            "eval_max_batches": config_dict.placeholder(int),  # None: the whole validation split
+            "log_every": 10,
+            "ckpt_every": 250,
+            "keep_checkpoints": 3,
+            "peak_flops": config_dict.placeholder(float),  # per device; None: measured on CPU
+        },
+        "sample": {"prompt": "", "max_new_tokens": 200, "temperature": 0.8, "top_k": 40},
+        "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
+        "distributed": {
+            "coordinator_address": config_dict.placeholder(str),
+            "num_processes": config_dict.placeholder(int),
+            "process_id": config_dict.placeholder(int),
+            "auto": False,
+        },
+        "run_dir": config_dict.placeholder(str),  # None: runs/<config file name>
+        "resume": "auto",  # auto | never | must
+    })
+    return config

@@ -1,0 +1,68 @@
+"""Run by tests/test_training.py in a subprocess with 8 fake CPU devices: three train steps
+on each mesh shape, and on one device, printed as JSON (loss and parameter differences)."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from ml_collections import ConfigDict  # noqa: E402
+
+from jaxgpt import GPTConfig, sharding  # noqa: E402
+from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
+from jaxgpt.training import init_state, make_train_step, sharded_init  # noqa: E402
+
+TRAIN = ConfigDict(dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0))
+# sizes divisible by every mesh axis, so each rule really shards
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, d_model=32, d_ff=64)
+STEPS, K, B = 3, 2, 8
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CFG.vocab_size, size=(STEPS, K, B, CFG.block_size + 1)).astype(np.int32)
+    return [(t[..., :-1], t[..., 1:]) for t in tokens]
+
+
+def run(mesh_shape):
+    optimizer, schedule = make_optimizer(TRAIN), learning_rate_schedule(TRAIN)
+    step_fn = make_train_step(CFG, optimizer, schedule)
+    key = jax.random.key(0)
+    if mesh_shape is None:
+        state = init_state(CFG, optimizer, key)
+        step = jax.jit(step_fn)
+        put = lambda x: x  # noqa: E731
+    else:
+        mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_shape)))
+        state, shardings = sharded_init(CFG, optimizer, key, mesh)
+        batch_sharding = sharding.micro_batches_sharding(mesh)
+        step = jax.jit(step_fn, in_shardings=(shardings, (batch_sharding, batch_sharding), None),
+                       out_shardings=(shardings, None))
+        put = lambda x: jax.device_put(x, batch_sharding)  # noqa: E731
+    losses = []
+    for i, (x, y) in enumerate(batches()):
+        state, metrics = step(state, (put(x), put(y)), jax.random.fold_in(key, i))
+        losses.append(float(metrics["loss"]))
+    sharded_leaves = sum(len(leaf.sharding.device_set) > 1 and not leaf.sharding.is_fully_replicated
+                         for leaf in jax.tree.leaves(state.params))
+    return losses, jax.device_get(state.params), sharded_leaves
+
+
+def main():
+    assert jax.device_count() == 8, jax.devices()
+    ref_losses, ref_params, _ = run(None)
+    out = {}
+    for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]:
+        losses, params, sharded_leaves = run(shape)
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
+        out[str(shape)] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_diff": diff,
+                           "sharded_leaves": sharded_leaves}
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

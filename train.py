@@ -1,0 +1,65 @@
+"""Train a GPT: `python train.py [--config=configs/NAME.py] [--config.train.lr=3e-4 ...]`.
+
+With no --config, configs/default.py: a small GPT on the Python standard library's source,
+then a short sample. The run directory (default runs/<config name>) holds everything:
+config, tokenizer, checkpoints, metrics.jsonl, loss.png, sample.txt. Running the same
+command again resumes from the last checkpoint.
+"""
+
+import sys
+from pathlib import Path
+
+from absl import flags
+from ml_collections import config_flags
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
+
+config_flag = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "a configs/*.py file")
+
+
+def fail(message: str) -> None:
+    print(f"train.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse(argv):
+    try:
+        flags.FLAGS(argv)
+    except (flags.Error, ValueError, TypeError, AttributeError, KeyError, FileNotFoundError, OSError) as error:
+        fail(str(error).strip().splitlines()[0])
+    config = config_flag.value
+    if config.run_dir is None:
+        config.run_dir = str(Path("runs") / Path(flags.FLAGS["config"].config_filename).stem)
+    return config
+
+
+def main(argv) -> int:
+    config = parse(argv)
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's informational logs would bury the progress bar
+    from jaxgpt import sampling, training
+
+    try:
+        result = training.train(config)
+    except (ValueError, FileNotFoundError, training.TrainingError) as error:
+        fail(str(error))
+    if result["interrupted"]:
+        return 130
+    if config.sample.max_new_tokens > 0:
+        import jax
+
+        if jax.process_index() == 0:
+            params, cfg, tokenizer = sampling.load_run(config.run_dir)
+            text = sampling.sample_text(
+                params, cfg, tokenizer, config.sample.prompt, max_new_tokens=config.sample.max_new_tokens,
+                temperature=config.sample.temperature, top_k=config.sample.top_k or None, seed=config.train.seed,
+            )
+            (Path(config.run_dir) / "sample.txt").write_text(text)
+            print(f"--- sample (run directory {config.run_dir}) ---")
+            print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
