@@ -117,17 +117,3 @@ def maybe_initialize_distributed(dist_cfg=None) -> None:
     jax.config.update("jax_cpu_collectives_implementation", dist_cfg.get("cpu_collectives") or "gloo")
     jax.distributed.initialize(**kwargs)
 
-
-def local_rows(batch_sharding_: NamedSharding, global_shape) -> slice:
-    """The rows of a global batch that live on this process's devices (one contiguous range),
-    i.e. what this process must feed to jax.make_array_from_process_local_data."""
-    indices = batch_sharding_.addressable_devices_indices_map(tuple(global_shape)).values()
-    row_axis = list(batch_sharding_.spec).index(BATCH_AXES) if BATCH_AXES in batch_sharding_.spec else 0
-    starts = [(index[row_axis].start or 0) for index in indices]
-    stops = [(index[row_axis].stop if index[row_axis].stop is not None else global_shape[row_axis]) for index in indices]
-    return slice(min(starts), max(stops))
-
-
-def micro_batches_sharding(mesh: Mesh) -> NamedSharding:
-    """(k, B, T) micro-batches: the k axis whole (scanned over), rows split like a batch."""
-    return NamedSharding(mesh, P(None, BATCH_AXES, None))

@@ -61,16 +61,19 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None):
     return ops.cross_entropy(logits, targets, mask)
 
 
-def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable):
-    """train_step(state, (inputs, targets), key): inputs and targets (k, B, T) hold k
-    micro-batches; their gradients are summed in a lax.scan (one gradient-sized buffer) and
-    averaged, so k micro-batches give the update of one batch of k·B rows."""
+def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
+                    grad_accum: int = 1):
+    """train_step(state, (inputs, targets), key) for a batch of k·B rows (k = grad_accum).
+
+    Row i·k + j belongs to micro-batch j, so every micro-batch spreads over the devices the
+    way the whole batch does. The k gradients are summed in a lax.scan (one gradient-sized
+    buffer) and averaged: k micro-batches give the update of one batch of k·B rows."""
     model = GPT(model_cfg)
     use_dropout = model_cfg.dropout > 0
+    k = grad_accum
 
     def train_step(state: TrainState, batch, key):
-        inputs, targets = batch
-        k = inputs.shape[0]
+        inputs, targets = (a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1) for a in batch)
 
         def micro_step(grad_sum, micro):
             x, y, i = micro
@@ -280,8 +283,9 @@ def train(config) -> dict:
     mesh = sharding.make_mesh(config.mesh)
     accum, batch_size, T = int(tc.grad_accum), int(tc.batch_size), cfg.block_size
     divisor = sharding.batch_size_divisor(mesh)
-    if batch_size % divisor:
-        raise ValueError(f"train.batch_size={batch_size} must be divisible by the mesh's data×fsdp size {divisor}")
+    for name in ("batch_size", "eval_batch_size"):
+        if int(tc[name]) % divisor:
+            raise ValueError(f"train.{name}={tc[name]} must be divisible by the mesh's data×fsdp size {divisor}")
 
     optimizer = make_optimizer(tc)
     schedule = learning_rate_schedule(tc)
@@ -294,40 +298,41 @@ def train(config) -> dict:
         restored, start_step = checkpoints.restore(abstract)
         state = TrainState.from_dict(restored)
 
-    batches_sharding = sharding.micro_batches_sharding(mesh)
+    batches_sharding = sharding.batch_sharding(mesh)
     train_step = jax.jit(
-        make_train_step(cfg, optimizer, schedule),
+        make_train_step(cfg, optimizer, schedule, accum),
         in_shardings=(state_shardings, (batches_sharding, batches_sharding), None),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
     eval_step = jax.jit(make_eval_step(cfg))
+    if len(corpus.val) < 2:
+        raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
+                         "or give data.val_source")
 
-    rows = sharding.local_rows(batches_sharding, (accum, batch_size, T))
+    def make_batch(step: int, rows: slice):
+        return data.train_batch(corpus.train, seed=tc.seed, step=step, batch_size=accum * batch_size,
+                                block_size=T, rows=rows)
 
-    def make_batch(step: int):
-        parts = [
-            data.train_batch(corpus.train, seed=tc.seed, step=step, batch_size=accum * batch_size, block_size=T,
-                             rows=(j * batch_size + rows.start, j * batch_size + rows.stop))
-            for j in range(accum)
-        ]
-        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+    stride = config.data.get("eval_stride")
+    eval_count = data.num_eval_batches(len(corpus.val), batch_size=tc.eval_batch_size, block_size=T, stride=stride)
+    if tc.get("eval_max_batches"):
+        eval_count = min(eval_count, tc.eval_max_batches)
+
+    def make_eval_batch(index: int, rows: slice):
+        return data.eval_batch(corpus.val, index, batch_size=tc.eval_batch_size, block_size=T, stride=stride,
+                               rows=rows)
 
     def evaluate(params) -> dict:
-        eval_sharding = sharding.batch_sharding(mesh)
-        eval_rows = sharding.local_rows(eval_sharding, (tc.eval_batch_size, T))
         loss_sum, count = 0.0, 0.0
-        for i, (x, y, m) in enumerate(data.eval_batches(corpus.val, batch_size=tc.eval_batch_size, block_size=T,
-                                                        stride=config.data.get("eval_stride"))):
-            if tc.get("eval_max_batches") and i >= tc.eval_max_batches:
-                break
-            x, y, m = (pad_rows(a, tc.eval_batch_size)[eval_rows] for a in (x, y, m))
-            arrays = [jax.make_array_from_process_local_data(eval_sharding, a, (tc.eval_batch_size, T)) for a in (x, y, m)]
-            s, c = eval_step(params, *arrays)
-            loss_sum, count = loss_sum + float(s), count + float(c)
+        with data.DeviceBatches(make_eval_batch, start_step=0, end_step=eval_count, batch_size=tc.eval_batch_size,
+                                sharding=batches_sharding) as batches:
+            for _, (x, y, m) in batches:
+                s, c = eval_step(params, x, y, m)
+                loss_sum, count = loss_sum + float(s), count + float(c)
         loss = loss_sum / max(count, 1.0)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-                "val_bpb": loss / math.log(2) / corpus.bytes_per_token["val"]}
+                "val_bpb": data.bits_per_byte(loss, corpus.bytes_per_token["val"])}
 
     tokens_per_step = accum * batch_size * T
     flops = flops_per_token(cfg, T)
@@ -369,10 +374,11 @@ def train(config) -> dict:
     def save(at_step: int, val_loss=None) -> None:
         checkpoints.save(at_step, state.to_dict(), val_loss=val_loss)
 
-    with data.prefetch_to_device(make_batch, start_step, batches_sharding, size=2) as batches, StopRequested() as stop:
+    train_batches = data.DeviceBatches(make_batch, start_step=start_step, end_step=tc.steps,
+                                       batch_size=accum * batch_size, sharding=batches_sharding)
+    with train_batches as batches, StopRequested() as stop:
         try:
-            while step < tc.steps:
-                batch = next(batches)
+            for _, batch in batches:
                 state, metrics = train_step(state, batch, jax.random.fold_in(key, step))
                 step += 1
                 pending.append((step, metrics))
@@ -430,10 +436,6 @@ def train(config) -> dict:
             "run_dir": str(run_dir), **(last_val or {})}
 
 
-def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
-    """Pad a batch with zero rows up to `rows` (their mask is zero, so they count for nothing)."""
-    missing = rows - array.shape[0]
-    return array if missing == 0 else np.concatenate([array, np.zeros((missing, *array.shape[1:]), array.dtype)])
 
 
 def default_config():

@@ -24,13 +24,13 @@ STEPS, K, B = 3, 2, 8
 
 def batches():
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, CFG.vocab_size, size=(STEPS, K, B, CFG.block_size + 1)).astype(np.int32)
+    tokens = rng.integers(0, CFG.vocab_size, size=(STEPS, K * B, CFG.block_size + 1)).astype(np.int32)
     return [(t[..., :-1], t[..., 1:]) for t in tokens]
 
 
 def run(mesh_shape):
     optimizer, schedule = make_optimizer(TRAIN), learning_rate_schedule(TRAIN)
-    step_fn = make_train_step(CFG, optimizer, schedule)
+    step_fn = make_train_step(CFG, optimizer, schedule, grad_accum=K)
     key = jax.random.key(0)
     if mesh_shape is None:
         state = init_state(CFG, optimizer, key)
@@ -39,7 +39,7 @@ def run(mesh_shape):
     else:
         mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_shape)))
         state, shardings = sharded_init(CFG, optimizer, key, mesh)
-        batch_sharding = sharding.micro_batches_sharding(mesh)
+        batch_sharding = sharding.batch_sharding(mesh)
         step = jax.jit(step_fn, in_shardings=(shardings, (batch_sharding, batch_sharding), None),
                        out_shardings=(shardings, None))
         put = lambda x: jax.device_put(x, batch_sharding)  # noqa: E731

@@ -24,13 +24,12 @@ TRAIN = ConfigDict(dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, 
 def test_gradient_accumulation_equals_one_big_batch():
     cfg = GPTConfig(vocab_size=31, block_size=8, n_layer=2, n_head=2, d_model=16)
     optimizer, schedule = make_optimizer(TRAIN), learning_rate_schedule(TRAIN)
-    step = jax.jit(make_train_step(cfg, optimizer, schedule))
     state = init_state(cfg, optimizer, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, cfg.block_size + 1), 0, cfg.vocab_size)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    batch = (tokens[:, :-1], tokens[:, 1:])
     key = jax.random.key(2)
-    one, m1 = step(state, (x[None], y[None]), key)  # one batch of 8 rows
-    four, m4 = step(state, (x.reshape(4, 2, -1), y.reshape(4, 2, -1)), key)  # 4 micro-batches of 2
+    one, m1 = jax.jit(make_train_step(cfg, optimizer, schedule, grad_accum=1))(state, batch, key)  # 8 rows at once
+    four, m4 = jax.jit(make_train_step(cfg, optimizer, schedule, grad_accum=4))(state, batch, key)  # 4 × 2 rows
     assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), abs=1e-5)
     assert float(m4["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(four.params)):

@@ -1,0 +1,796 @@
+"""Data: every source kind, the token cache, batches against their invariants, devices.
+
+Corpora are tiny files written to tmp_path, and the expected documents are the texts the
+tests wrote. Multi-device tests run in subprocesses with fake CPU devices, so this process
+keeps its single device.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxgpt import data, tokenizers
+from jaxgpt.data import DataError
+from jaxgpt.tokenizers import Tokenizer
+
+fast = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+
+DOCS = {
+    "a.txt": "The first document.\nIt has two lines.\n",
+    "notes/b.md": "# Second\n\nUnicode: café, 東京, 🙂\n",
+    "notes/deeper/c.py": "def third():\n    return 3\n",
+    "d.tex": "\\section{Fourth} $x^2$\n",
+}
+# The order of a directory walk: sorted by path components.
+DOCS_IN_ORDER = [DOCS[name] for name in sorted(DOCS, key=lambda name: Path(name).parts)]
+
+
+def write_files(root, files):
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+    return root
+
+
+def config(tmp_path, **overrides):
+    """A data config with its cache in tmp_path and, unless overridden, no validation split."""
+    return {"cache_dir": str(tmp_path / "cache"), "val_fraction": 0.0, **overrides}
+
+
+def documents(tokens, tokenizer):
+    """The documents of a token array: the runs of ids between <|eos|>, decoded."""
+    ids = np.asarray(tokens).tolist()
+    if not ids:
+        return []
+    pieces = [[]]
+    for i in ids:
+        if i == tokenizer.eos_id:
+            pieces.append([])
+        else:
+            pieces[-1].append(i)
+    return [tokenizer.decode(piece) for piece in pieces]
+
+
+def cache_entries(tmp_path):
+    root = tmp_path / "cache"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+@pytest.fixture
+def encode_calls(monkeypatch):
+    """Every text given to a tokenizer's encode."""
+    calls = []
+    original = Tokenizer.encode
+
+    def spy(self, text, *args, **kwargs):
+        calls.append(text)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", spy)
+    return calls
+
+
+# --- path sources ---------------------------------------------------------------------------
+
+
+def test_directory_gives_each_text_file_as_a_document_separated_by_eos(tmp_path):
+    root = write_files(tmp_path / "corpus",
+                       {**DOCS, ".hidden.txt": "secret", ".git/config": "secret", "empty.txt": ""})
+    corpus = data.prepare(config(tmp_path, source=str(root)))
+    assert documents(corpus.train, corpus.tokenizer) == DOCS_IN_ORDER
+    tokens = np.asarray(corpus.train)
+    assert np.sum(tokens == corpus.tokenizer.eos_id) == len(DOCS) - 1  # between documents only
+    assert tokens[0] != corpus.tokenizer.eos_id and tokens[-1] != corpus.tokenizer.eos_id
+    assert corpus.train.dtype == np.uint16 and len(corpus.val) == 0
+    assert corpus.meta["splits"]["train"]["documents"] == len(DOCS)
+
+
+def test_file_and_glob_sources(tmp_path):
+    root = write_files(tmp_path / "corpus", DOCS)
+    one = data.prepare(config(tmp_path, source=str(root / "a.txt")))
+    assert documents(one.train, one.tokenizer) == [DOCS["a.txt"]]
+    markdown = data.prepare(config(tmp_path, source=str(root / "**" / "*.md")))
+    assert documents(markdown.train, markdown.tokenizer) == [DOCS["notes/b.md"]]
+    notes = data.prepare(config(tmp_path, source=str(root / "notes" / "*")))
+    assert documents(notes.train, notes.tokenizer) == [DOCS["notes/b.md"],
+                                                       DOCS["notes/deeper/c.py"]]
+
+
+def test_undecodable_bytes_are_replaced_and_counted_in_one_warning(tmp_path):
+    root = write_files(tmp_path / "corpus", {
+        "1.txt": b"caf\xe9 au lait \xff\xfe",  # three invalid bytes, each its own sequence
+        "2.txt": b"ok \x80 then",
+        "3.txt": "a real U+FFFD \ufffd is text, not a repair",
+        "4.png": b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR",
+    })
+    with pytest.warns(UserWarning) as caught:
+        corpus = data.prepare(config(tmp_path, source=str(root)))
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "replaced 4 undecodable byte sequence(s)" in message and "2 file(s)" in message
+    assert "skipped 1 binary file(s)" in message
+    assert documents(corpus.train, corpus.tokenizer) == [
+        "caf\ufffd au lait \ufffd\ufffd", "ok \ufffd then",
+        "a real U+FFFD \ufffd is text, not a repair"]
+
+
+def test_jsonl_gives_one_document_per_line_from_the_configured_field(tmp_path):
+    lines = [{"body": "first record", "id": 1}, {"body": "second\nrecord", "id": 2},
+             {"body": "", "id": 3}, {"body": "lone \ud800 surrogate", "id": 4}]
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines[:2]) + "\n\n"
+                    + "\n".join(json.dumps(line) for line in lines[2:]) + "\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match="replaced 1 undecodable"):
+        corpus = data.prepare(config(tmp_path, source=str(path), text_field="body"))
+    assert documents(corpus.train, corpus.tokenizer) == [
+        "first record", "second\nrecord", "lone \ufffd surrogate"]
+
+
+def test_jsonl_errors_name_the_line_and_the_field(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"text": "fine"}\n{"content": "no text field"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"records.jsonl:2 has no field 'text'.*'content'"):
+        data.prepare(config(tmp_path, source=str(path)))
+    path.write_text('{"text": "fine"}\n{"text": \n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"records.jsonl:2 is not valid JSON"):
+        data.prepare(config(tmp_path, source=str(path)))
+    path.write_text('{"text": 42}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"records.jsonl:1: field 'text' holds int, not text"):
+        data.prepare(config(tmp_path, source=str(path)))
+
+
+def pdf_bytes(pages):
+    """A minimal PDF whose pages draw the given lines in Helvetica: a real text layer."""
+    objects = ["<< /Type /Catalog /Pages 2 0 R >>", "",
+               "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    kids = []
+    for lines in pages:
+        drawn = " ".join(f"({line}) Tj 0 -14 Td" for line in lines)
+        stream = f"BT /F1 12 Tf 72 720 Td {drawn} ET"
+        objects.append(f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream")
+        objects.append("<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] "
+                       f"/Resources << /Font << /F1 3 0 R >> >> /Contents {len(objects)} 0 R >>")
+        kids.append(f"{len(objects)} 0 R")
+    objects[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(kids)} >>"
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += f"{number} 0 obj\n{body}\nendobj\n".encode("latin-1")
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{offset:010d} 00000 n \n" for offset in offsets).encode()
+    out += (f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n"
+            "%%EOF\n").encode()
+    return bytes(out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pypdf") is None,
+                    reason="the pdf extra (pypdf) is not installed: pip install -e '.[pdf]'")
+def test_pdf_gives_its_text_layer_as_one_document(tmp_path):
+    root = write_files(tmp_path / "corpus", {
+        "paper.pdf": pdf_bytes([["Attention is all", "you need"], ["Page two text"]]),
+        "readme.txt": "plain text beside it",
+    })
+    corpus = data.prepare(config(tmp_path, source=str(root)))
+    pdf_text, plain = documents(corpus.train, corpus.tokenizer)
+    words = pdf_text.split()
+    assert words == ["Attention", "is", "all", "you", "need", "Page", "two", "text"]
+    assert plain == "plain text beside it"
+
+
+def test_pdf_without_the_extra_says_which_extra_to_install(tmp_path, monkeypatch):
+    (tmp_path / "paper.pdf").write_bytes(pdf_bytes([["text"]]))
+    monkeypatch.setitem(sys.modules, "pypdf", None)  # makes `import pypdf` fail
+    with pytest.raises(DataError, match=r"pip install 'jaxgpt\[pdf\]'"):
+        data.prepare(config(tmp_path, source=str(tmp_path / "paper.pdf")))
+
+
+def test_stdlib_is_the_standard_library_python_files_in_path_order(tmp_path):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skipped = {"test", "tests", "idlelib", "site-packages", "dist-packages"}
+    expected_files = sorted(
+        path for path in root.rglob("*.py")
+        if not any(part in skipped or part.startswith(".")
+                   for part in path.relative_to(root).parts[:-1]))
+    texts = (path.read_text(encoding="utf-8") for path in expected_files)
+    expected = [text for text in texts if text][:25]  # empty files are no documents
+    corpus = data.prepare(config(tmp_path, source="stdlib", max_documents=25))
+    assert documents(corpus.train, corpus.tokenizer) == expected
+
+
+def test_limits_cap_documents_and_bytes(tmp_path):
+    root = write_files(tmp_path / "corpus", DOCS)
+    two = data.prepare(config(tmp_path, source=str(root), max_documents=2))
+    assert documents(two.train, two.tokenizer) == DOCS_IN_ORDER[:2]
+    root = write_files(tmp_path / "cafe", {"1.txt": "abc", "2.txt": "café au lait", "3.txt": "x"})
+    # 7 bytes: "abc" and the first 4 bytes of "café", which end inside the 2-byte "é".
+    capped = data.prepare(config(tmp_path, source=str(root), max_bytes=7))
+    assert documents(capped.train, capped.tokenizer) == ["abc", "caf"]
+
+
+# --- TFDS -----------------------------------------------------------------------------------
+
+
+def build_local_tfds(manual_dir, data_dir, config_name=None):
+    """Prepare a local corpus as a TFDS dataset with TFDS's own API, offline."""
+    import tensorflow_datasets as tfds
+
+    from jaxgpt import tfds_local
+
+    tfds.disable_progress_bar()
+    kwargs = {"config": tfds_local.LocalTextCorpusConfig(name=config_name)} if config_name else {}
+    builder = tfds.builder("local_text_corpus", data_dir=str(data_dir), **kwargs)
+    builder.download_and_prepare(
+        file_format="array_record",
+        download_config=tfds.download.DownloadConfig(manual_dir=str(manual_dir)))
+    return builder
+
+
+def test_tfds_source_reads_a_dataset_built_offline_from_local_files(tmp_path):
+    manual = write_files(tmp_path / "files", DOCS)
+    build_local_tfds(manual, tmp_path / "tfds")
+    corpus = data.prepare(config(tmp_path, source="tfds:local_text_corpus",
+                                 tfds_data_dir=str(tmp_path / "tfds")))
+    assert documents(corpus.train, corpus.tokenizer) == DOCS_IN_ORDER
+    sliced = data.prepare(config(tmp_path, source="tfds:local_text_corpus:train[:2]",
+                                 tfds_data_dir=str(tmp_path / "tfds")))
+    assert documents(sliced.train, sliced.tokenizer) == DOCS_IN_ORDER[:2]
+
+
+def test_tfds_splits_named_configs_and_a_separate_validation_source(tmp_path):
+    manual = write_files(tmp_path / "files", {"train/a.txt": "training text one",
+                                              "train/b.txt": "training text two, more",
+                                              "validation/c.txt": "one more text"})
+    build_local_tfds(manual, tmp_path / "tfds", config_name="mine")
+    corpus = data.prepare(config(tmp_path, source="tfds:local_text_corpus/mine:train",
+                                 val_source="tfds:local_text_corpus/mine:validation",
+                                 tfds_data_dir=str(tmp_path / "tfds")))
+    assert documents(corpus.train, corpus.tokenizer) == ["training text one",
+                                                         "training text two, more"]
+    assert documents(corpus.val, corpus.tokenizer) == ["one more text"]
+
+
+def test_tfds_dataset_that_is_not_prepared_is_prepared_from_the_manual_dir(tmp_path):
+    data_dir = tmp_path / "tfds"
+    write_files(data_dir / "downloads" / "manual", {"x.txt": "prepared on demand"})
+    corpus = data.prepare(config(tmp_path, source="tfds:local_text_corpus",
+                                 tfds_data_dir=str(data_dir)))
+    assert documents(corpus.train, corpus.tokenizer) == ["prepared on demand"]
+
+
+def test_tfds_bad_input(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    with pytest.raises(DataError, match="unknown TFDS dataset 'no_such_corpus_xyz'"):
+        data.prepare(config(tmp_path, source="tfds:no_such_corpus_xyz", tfds_data_dir=data_dir))
+    with pytest.raises(DataError, match=r"not prepared and needs its files in .*manual"):
+        data.prepare(config(tmp_path, source="tfds:local_text_corpus", tfds_data_dir=data_dir))
+    build_local_tfds(write_files(tmp_path / "files", DOCS), data_dir)
+    with pytest.raises(DataError, match="validation"):
+        data.prepare(config(tmp_path, source="tfds:local_text_corpus:validation",
+                            tfds_data_dir=data_dir))
+    with pytest.raises(DataError, match=r"no feature 'body' \(its features: .*text"):
+        data.prepare(config(tmp_path, source="tfds:local_text_corpus", tfds_text_feature="body",
+                            tfds_data_dir=data_dir))
+    with pytest.raises(DataError, match="not tfds:NAME"):
+        data.prepare(config(tmp_path, source="tfds:"))
+
+
+def _register_test_builders():
+    import tensorflow_datasets as tfds
+
+    class JaxgptTestDownloads(tfds.core.GeneratorBasedBuilder):
+        """Downloads from a host that cannot exist (.invalid is reserved, RFC 2606)."""
+
+        VERSION = tfds.core.Version("1.0.0")
+        url_infos = {"https://corpus.invalid/text.txt": None}
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+        def _split_generators(self, dl_manager):
+            raise AssertionError("the unreachable host must stop preparation before this")
+
+        def _generate_examples(self):
+            yield from ()
+
+    class JaxgptTestNeedsTensorflow(JaxgptTestDownloads):
+        url_infos = None
+
+        def _split_generators(self, dl_manager):
+            import tensorflow  # noqa: F401  as builders that decode with TF do
+
+            return {}
+
+
+_register_test_builders()
+
+
+def test_tfds_preparation_that_cannot_work_here_fails_at_once_saying_why(tmp_path):
+    data_dir = str(tmp_path / "tfds")
+    with pytest.raises(DataError, match=r"downloads from corpus.invalid, which cannot be reached"):
+        data.prepare(config(tmp_path, source="tfds:jaxgpt_test_downloads", tfds_data_dir=data_dir))
+    if importlib.util.find_spec("tensorflow") is None:
+        with pytest.raises(DataError, match=r"needs the Python module 'tensorflow'"):
+            data.prepare(config(tmp_path, source="tfds:jaxgpt_test_needs_tensorflow",
+                                tfds_data_dir=data_dir))
+
+
+# --- splits, tokenizers, token files --------------------------------------------------------
+
+
+def test_single_document_holds_out_its_tail(tmp_path):
+    text = "".join(f"line {i}: to be or not to be\n" for i in range(40))
+    (tmp_path / "one.txt").write_text(text, encoding="utf-8")
+    corpus = data.prepare(config(tmp_path, source=str(tmp_path / "one.txt"), val_fraction=0.1))
+    cut = len(text) - round(0.1 * len(text))
+    assert documents(corpus.train, corpus.tokenizer) == [text[:cut]]
+    assert documents(corpus.val, corpus.tokenizer) == [text[cut:]]
+
+
+@given(n=st.integers(2, 60), fraction=st.floats(0.01, 0.99))
+def test_held_out_documents_partition_the_corpus_and_spread_out(n, fraction):
+    docs = [f"document {i}" for i in range(n)]
+    train, val = data.split_documents(docs, fraction)
+    assert sorted(train + val) == sorted(docs) and not set(train) & set(val)
+    assert len(val) == min(max(1, round(n * fraction)), n - 1)
+    positions = sorted(docs.index(d) for d in val)
+    # Evenly spread: each held-out document sits within its own 1/len(val) of the corpus.
+    for k, position in enumerate(positions):
+        assert k * n // len(val) <= position < (k + 1) * n / len(val)
+
+
+def test_held_out_documents_become_the_validation_split(tmp_path):
+    files = {f"doc{i:02d}.txt": f"document number {i}\n" for i in range(20)}
+    root = write_files(tmp_path / "corpus", files)
+    # Byte-level BPE has no <|unk|>, so the held-out documents decode exactly.
+    corpus = data.prepare(config(tmp_path, source=str(root), val_fraction=0.2, tokenizer="bpe",
+                                 vocab_size=270))
+    train, val = documents(corpus.train, corpus.tokenizer), documents(corpus.val, corpus.tokenizer)
+    expected_train, expected_val = data.split_documents(list(files.values()), 0.2)
+    assert (train, val) == (expected_train, expected_val) and len(val) == 4
+
+
+def test_bytes_per_token_is_text_bytes_over_tokens(tmp_path):
+    root = write_files(tmp_path / "corpus", DOCS)
+    corpus = data.prepare(config(tmp_path, source=str(root)))
+    text_bytes = sum(len(d.encode("utf-8")) for d in DOCS.values())
+    tokens = sum(len(d) for d in DOCS.values()) + len(DOCS) - 1  # characters + separators
+    assert corpus.bytes_per_token["train"] == pytest.approx(text_bytes / tokens)
+    assert math.isnan(corpus.bytes_per_token["val"])
+    # A loss of 2 ln 2 nats per token over 2 bytes per token is 1 bit per byte.
+    assert data.bits_per_byte(2 * math.log(2), 2.0) == pytest.approx(1.0)
+
+
+def test_tokenizers_trained_on_train_split_or_loaded_and_ids_widen_past_uint16(tmp_path):
+    words = " ".join(f"w{i}" for i in range(70_000))
+    (tmp_path / "words.txt").write_text(words, encoding="utf-8")
+    wide = data.prepare(config(tmp_path, source=str(tmp_path / "words.txt"), tokenizer="word"))
+    assert wide.tokenizer.vocab_size > 65536 and wide.train.dtype == np.uint32
+    assert np.asarray(wide.train).max() >= 65536
+    assert documents(wide.train, wide.tokenizer) == [words]
+
+    root = write_files(tmp_path / "corpus", DOCS)
+    bpe = data.prepare(config(tmp_path, source=str(root), tokenizer="bpe", vocab_size=300))
+    assert bpe.tokenizer.kind == "bpe" and bpe.tokenizer.vocab_size == 300
+    assert documents(bpe.train, bpe.tokenizer) == DOCS_IN_ORDER
+    saved = tmp_path / "tok.json"
+    bpe.tokenizer.save(saved)
+    loaded = data.prepare(config(tmp_path, source=str(root), tokenizer=str(saved)))
+    assert loaded.tokenizer == bpe.tokenizer
+    np.testing.assert_array_equal(loaded.train, bpe.train)
+
+
+def test_char_tokenizer_is_trained_on_the_train_split_only(tmp_path):
+    root = write_files(tmp_path / "corpus", {"a.txt": "aaaa", "b.txt": "bbbb", "c.txt": "cccc"})
+    corpus = data.prepare(config(tmp_path, source=str(root), val_fraction=0.34))
+    held_out = documents(corpus.val, corpus.tokenizer)
+    assert held_out == [""]  # its characters were never seen: all <|unk|>, decoded to nothing
+    assert np.all(np.asarray(corpus.val) == corpus.tokenizer.unk_id)
+
+
+def test_token_arrays_are_read_only(tmp_path):
+    corpus = data.prepare(config(tmp_path, source=str(write_files(tmp_path / "c", DOCS)),
+                                 val_fraction=0.25))
+    for split in (corpus.train, corpus.val):
+        with pytest.raises((ValueError, TypeError)):
+            split[0] = 1
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+
+def test_cache_is_reused_when_nothing_changed(tmp_path, encode_calls):
+    root = write_files(tmp_path / "corpus", DOCS)
+    first = data.prepare(config(tmp_path, source=str(root)))
+    assert len(encode_calls) == len(DOCS)
+    encode_calls.clear()
+    again = data.prepare(config(tmp_path, source=str(root), eval_stride=3))  # not a token setting
+    assert encode_calls == [] and again.directory == first.directory
+    np.testing.assert_array_equal(again.train, first.train)
+    assert cache_entries(tmp_path) == [first.directory.name]
+
+
+def test_cache_is_rebuilt_when_the_source_or_tokenizer_changes(tmp_path, encode_calls):
+    root = write_files(tmp_path / "corpus", DOCS)
+    first = data.prepare(config(tmp_path, source=str(root)))
+
+    (root / "a.txt").write_text("Changed text.\n", encoding="utf-8")
+    encode_calls.clear()
+    changed = data.prepare(config(tmp_path, source=str(root)))
+    assert encode_calls and changed.directory != first.directory
+    assert documents(changed.train, changed.tokenizer)[0] == "Changed text.\n"
+
+    encode_calls.clear()
+    word = data.prepare(config(tmp_path, source=str(root), tokenizer="word"))
+    assert encode_calls and word.tokenizer.kind == "word" and word.directory != changed.directory
+
+    saved = tmp_path / "tok.json"
+    tokenizers.train_tokenizer("char", "abc").save(saved)
+    by_file = data.prepare(config(tmp_path, source=str(root), tokenizer=str(saved)))
+    tokenizers.train_tokenizer("char", "xyz").save(saved)  # same path, another tokenizer
+    encode_calls.clear()
+    rebuilt = data.prepare(config(tmp_path, source=str(root), tokenizer=str(saved)))
+    assert encode_calls and rebuilt.directory != by_file.directory
+    assert rebuilt.tokenizer == tokenizers.load(saved)
+
+
+def test_interrupted_build_leaves_nothing_that_is_read_later(tmp_path, monkeypatch):
+    root = write_files(tmp_path / "corpus", DOCS)
+    calls = []
+    original = Tokenizer.encode
+
+    def interrupt_third_document(self, text, *args, **kwargs):
+        calls.append(text)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", interrupt_third_document)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare(config(tmp_path, source=str(root)))
+    assert cache_entries(tmp_path) == []  # no cache and no partial build
+    monkeypatch.undo()
+    corpus = data.prepare(config(tmp_path, source=str(root)))
+    assert documents(corpus.train, corpus.tokenizer) == DOCS_IN_ORDER
+
+
+KILLED_BUILD = """
+import os, signal, sys
+from jaxgpt import data
+from jaxgpt.tokenizers import Tokenizer
+original, calls = Tokenizer.encode, []
+def encode_then_die(self, text, *args, **kwargs):
+    calls.append(text)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs, as after a power cut
+    return original(self, text, *args, **kwargs)
+Tokenizer.encode = encode_then_die
+data.prepare({"source": sys.argv[1], "cache_dir": sys.argv[2], "val_fraction": 0.0})
+"""
+
+
+def test_killed_build_leaves_only_a_partial_directory_that_is_never_read(tmp_path, encode_calls):
+    root = write_files(tmp_path / "corpus", DOCS)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_BUILD, str(root), str(tmp_path / "cache")],
+        capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    (partial,) = cache_entries(tmp_path)
+    assert partial.startswith(".") and partial.endswith(".partial")
+    assert (tmp_path / "cache" / partial / "train.bin").exists()  # killed mid-write
+    corpus = data.prepare(config(tmp_path, source=str(root)))
+    assert encode_calls  # built anew, not read from the partial directory
+    assert documents(corpus.train, corpus.tokenizer) == DOCS_IN_ORDER
+    assert cache_entries(tmp_path) == [corpus.directory.name]  # the dead build's leftovers went
+
+
+def test_cache_made_with_another_tokenizer_is_refused(tmp_path):
+    root = write_files(tmp_path / "corpus", DOCS)
+    corpus = data.prepare(config(tmp_path, source=str(root)))
+    other = tokenizers.train_tokenizer("word", list(DOCS.values()))
+    with pytest.raises(DataError, match="made with another tokenizer"):
+        data.open_corpus(corpus.directory, tokenizer=other)
+    assert data.open_corpus(corpus.directory, tokenizer=corpus.tokenizer).meta == corpus.meta
+    other.save(corpus.directory / "tokenizer.json")  # swapped behind the cache's back
+    with pytest.raises(DataError, match="made with another tokenizer"):
+        data.prepare(config(tmp_path, source=str(root)))
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_missing_paths_raise_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.prepare(config(tmp_path, source=str(tmp_path / "nowhere.txt")))
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        data.prepare(config(tmp_path, source=str(tmp_path / "*.nothing")))
+    (tmp_path / "a.txt").write_text("text", encoding="utf-8")
+    with pytest.raises(FileNotFoundError, match="tokenizer file"):
+        data.prepare(config(tmp_path, source=str(tmp_path / "a.txt"),
+                            tokenizer=str(tmp_path / "tok.json")))
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no files"):
+        data.prepare(config(tmp_path, source=str(tmp_path / "empty")))
+    write_files(tmp_path / "blank", {"a.txt": "", "b.jsonl": "\n\n"})
+    with pytest.raises(DataError, match="is empty"):
+        data.prepare(config(tmp_path, source=str(tmp_path / "blank")))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("val_fraction", 1.0, r"data.val_fraction=1.0: must be a number in \[0, 1\)"),
+    ("vocab_size", 0, "data.vocab_size=0: must be None or a positive integer"),
+    ("max_bytes", -5, "data.max_bytes=-5"),
+    ("source", "", "data.source=''"),
+    ("tokenizer", "bpe", "needs data.vocab_size"),
+])
+def test_impossible_settings_are_named(tmp_path, key, value, message):
+    with pytest.raises(DataError, match=message):
+        data.prepare(config(tmp_path, **{key: value}))
+
+
+def test_corpus_shorter_than_a_window_is_an_error():
+    tokens = np.arange(10, dtype=np.uint16)
+    with pytest.raises(DataError, match="fewer than block_size \\+ 1 = 11"):
+        data.train_batch(tokens, seed=0, step=0, batch_size=2, block_size=10)
+    data.train_batch(tokens, seed=0, step=0, batch_size=2, block_size=9)  # exactly one window
+    with pytest.raises(DataError, match="at least 2"):
+        next(data.eval_batches(tokens[:1], batch_size=2, block_size=4))
+    with pytest.raises(DataError, match="eval stride 5"):
+        next(data.eval_batches(tokens, batch_size=2, block_size=4, stride=5))
+
+
+# --- training batches -----------------------------------------------------------------------
+
+
+def positions(n):
+    """A token array whose value at each position is the position: windows show their start."""
+    return np.arange(n, dtype=np.uint32)
+
+
+def test_train_windows_are_contiguous_and_targets_are_inputs_shifted_by_one():
+    n, block = 500, 16
+    for step in range(20):
+        x, y = data.train_batch(positions(n), seed=7, step=step, batch_size=8, block_size=block)
+        assert x.shape == y.shape == (8, block) and x.dtype == y.dtype == np.int32
+        starts = x[:, 0]
+        np.testing.assert_array_equal(x, starts[:, None] + np.arange(block))
+        np.testing.assert_array_equal(y, x + 1)
+        assert np.all((0 <= starts) & (starts + block + 1 <= n))
+
+
+def test_train_batch_is_a_pure_function_of_seed_and_step(tmp_path):
+    tokens = positions(10_000)
+
+    def batch(seed, step, tokens=tokens):
+        return data.train_batch(tokens, seed=seed, step=step, batch_size=8, block_size=32)[0]
+
+    np.testing.assert_array_equal(batch(1, 5), batch(1, 5))
+    assert len({batch(1, step)[:, 0].tobytes() for step in range(50)}) == 50
+    assert len(set(batch(1, 5)[:, 0])) == 8  # rows are drawn independently, not repeated
+    assert not np.array_equal(batch(1, 5), batch(2, 5))
+    tokens.tofile(tmp_path / "tokens.bin")
+    mapped = np.memmap(tmp_path / "tokens.bin", dtype=tokens.dtype, mode="r")
+    np.testing.assert_array_equal(batch(1, 5, tokens=mapped), batch(1, 5))
+
+
+def test_train_window_starts_cover_every_position_evenly():
+    block, n_starts, steps, rows = 4, 10, 400, 8
+    counts = np.zeros(n_starts, int)
+    for step in range(steps):
+        x, _ = data.train_batch(positions(block + n_starts), seed=0, step=step,
+                                batch_size=rows, block_size=block)
+        counts += np.bincount(x[:, 0], minlength=n_starts)
+    expected = steps * rows / n_starts  # 320 draws per start; a fair die strays ±~50
+    assert np.all(np.abs(counts - expected) < 0.25 * expected), counts
+
+
+@fast
+@given(batch_size=st.integers(1, 12), data_=st.data())
+def test_train_rows_equal_the_rows_of_the_full_batch(batch_size, data_):
+    start = data_.draw(st.integers(0, batch_size))
+    stop = data_.draw(st.integers(start, batch_size))
+    full = data.train_batch(positions(300), seed=3, step=11, batch_size=batch_size, block_size=8)
+    for rows in (slice(start, stop), (start, stop)):
+        part = data.train_batch(positions(300), seed=3, step=11, batch_size=batch_size,
+                                block_size=8, rows=rows)
+        for got, want in zip(part, full):
+            np.testing.assert_array_equal(got, want[start:stop])
+
+
+# --- evaluation batches ---------------------------------------------------------------------
+
+
+@fast
+@given(n=st.integers(2, 150), block=st.integers(1, 12), batch_size=st.integers(1, 5),
+       data_=st.data())
+def test_eval_windows_count_every_target_exactly_once(n, block, batch_size, data_):
+    stride = data_.draw(st.one_of(st.none(), st.integers(1, block)))
+    counted = []
+    batches = list(data.eval_batches(positions(n), batch_size=batch_size, block_size=block,
+                                     stride=stride))
+    assert len(batches) == data.num_eval_batches(n, batch_size=batch_size, block_size=block,
+                                                 stride=stride)
+    for x, y, mask in batches:
+        assert x.shape == y.shape == mask.shape == (batch_size, block) and mask.dtype == bool
+        np.testing.assert_array_equal(y[mask], x[mask] + 1)  # the next token of its input
+        assert np.all(y[~mask & (y != 0)] == x[~mask & (y != 0)] + 1)  # unpadded, uncounted
+        counted += y[mask].tolist()
+    assert sorted(counted) == list(range(1, n))
+    assert batches[-1][2][0].any()  # no batch is padding only
+
+
+def test_eval_stride_counts_only_the_last_stride_targets_after_the_first_window():
+    x, y, mask = next(data.eval_batches(positions(20), batch_size=3, block_size=8, stride=4))
+    np.testing.assert_array_equal(x[:, 0], [0, 4, 8])
+    assert mask[0].all()
+    np.testing.assert_array_equal(mask[1:], np.tile([False] * 4 + [True] * 4, (2, 1)))
+    # The last window of a 10-token split: targets 9 and then padding.
+    x, y, mask = next(data.eval_batches(positions(10), batch_size=2, block_size=8))
+    np.testing.assert_array_equal(y[1], [9, 0, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(mask[1], [True] + [False] * 7)
+
+
+def test_eval_batch_rows_equal_the_rows_of_the_full_batch():
+    for index in range(3):
+        full = data.eval_batch(positions(60), index, batch_size=4, block_size=8, stride=5)
+        part = data.eval_batch(positions(60), index, batch_size=4, block_size=8, stride=5,
+                               rows=slice(1, 3))
+        for got, want in zip(part, full):
+            np.testing.assert_array_equal(got, want[1:3])
+
+
+# --- devices --------------------------------------------------------------------------------
+
+
+def one_device_sharding():
+    mesh = jax.make_mesh((1,), ("data",))
+    return NamedSharding(mesh, PartitionSpec("data"))
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "jaxgpt-device-batches"]
+
+
+def test_device_batches_from_a_resumed_step_equal_the_pure_batches():
+    tokens = positions(1000)
+
+    def make(step, rows):
+        return data.train_batch(tokens, seed=5, step=step, batch_size=4, block_size=8, rows=rows)
+
+    with data.DeviceBatches(make, start_step=7, end_step=12, batch_size=4,
+                            sharding=one_device_sharding()) as batches:
+        seen = []
+        for step, (x, y) in batches:
+            assert isinstance(x, jax.Array) and x.shape == (4, 8)
+            want_x, want_y = make(step, slice(0, 4))
+            np.testing.assert_array_equal(np.asarray(x), want_x)
+            np.testing.assert_array_equal(np.asarray(y), want_y)
+            seen.append(step)
+    assert seen == [7, 8, 9, 10, 11]
+    assert prefetch_threads() == []
+
+
+def test_device_batches_raise_the_thread_exception_at_its_step_and_close_cleanly():
+    def make(step, rows):
+        if step == 3:
+            raise RuntimeError("no batch 3")
+        return (np.full((2, 4), step, np.int32),)
+
+    batches = data.DeviceBatches(make, start_step=0, batch_size=2, sharding=one_device_sharding())
+    assert [next(batches)[0] for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="no batch 3"):
+        next(batches)
+    batches.close()
+    assert prefetch_threads() == []
+
+    # A producer blocked on a full queue is released by close.
+    endless = data.DeviceBatches(lambda step, rows: (np.zeros((2, 4), np.int32),),
+                                 start_step=0, batch_size=2, sharding=one_device_sharding(), size=1)
+    endless.close()
+    assert prefetch_threads() == []
+    with pytest.raises(StopIteration):
+        next(endless)
+
+
+def run_with_devices(code, *args, devices=8):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process):
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+EIGHT_DEVICES = """
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxgpt import data
+assert jax.device_count() == 8
+tokens = np.arange(3000, dtype=np.uint16)
+mesh = jax.make_mesh((4, 2), ("data", "model"))
+for spec in (P("data"), P(("data", "model"))):
+    sharding = NamedSharding(mesh, spec)
+    def make(step, rows):
+        return data.train_batch(tokens, seed=3, step=step, batch_size=16, block_size=8, rows=rows)
+    def make_eval(index, rows):
+        return data.eval_batch(tokens, index, batch_size=16, block_size=8, stride=6, rows=rows)
+    for maker in (make, make_eval):
+        with data.DeviceBatches(maker, start_step=5, end_step=8, batch_size=16,
+                                sharding=sharding) as batches:
+            steps = []
+            for step, arrays in batches:
+                steps.append(step)
+                for array, want in zip(arrays, maker(step, slice(0, 16))):
+                    assert array.sharding == sharding and array.shape == want.shape
+                    np.testing.assert_array_equal(np.asarray(array), want)
+                    for shard in array.addressable_shards:
+                        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+            assert steps == [5, 6, 7], steps
+print("ok")
+"""
+
+
+def test_sharded_batches_on_eight_devices_equal_the_unsharded_batch():
+    assert finished(run_with_devices(EIGHT_DEVICES)).strip() == "ok"
+
+
+TWO_PROCESSES = """
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+process, port = int(sys.argv[1]), sys.argv[2]
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process)
+from jaxgpt import data
+tokens = np.arange(3000, dtype=np.uint16)
+# Devices in id order: process 0 holds devices 0-3, so rows 0-3 of the batch.
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
+requested = set()
+def make(step, rows):
+    requested.add((rows.start, rows.stop))
+    return data.train_batch(tokens, seed=1, step=step, batch_size=8, block_size=4, rows=rows)
+with data.DeviceBatches(make, start_step=2, end_step=5, batch_size=8, sharding=sharding) as b:
+    for step, arrays in b:
+        full = data.train_batch(tokens, seed=1, step=step, batch_size=8, block_size=4)
+        for array, want in zip(arrays, full):
+            assert array.shape == (8, 4)
+            for shard in array.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+assert requested == {(4 * process, 4 * process + 4)}, requested
+jax.distributed.shutdown()
+print("ok")
+"""
+
+
+def test_each_of_two_processes_makes_only_its_own_rows():
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    workers = [run_with_devices(TWO_PROCESSES, process, port, devices=4) for process in (0, 1)]
+    assert [finished(worker).strip() for worker in workers] == ["ok", "ok"]
