@@ -4,6 +4,7 @@ a damaged checkpoint to the newest intact one."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +32,7 @@ class Checkpoints:
 
     def __init__(self, run_dir, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+        self.read_only = read_only
         keep_policy = policies.AnyPreservationPolicy([
             policies.LatestN(n=keep),
             policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1,
@@ -44,7 +46,12 @@ class Checkpoints:
             create=not read_only,
             read_only=read_only,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
+        except Exception as error:  # a step whose metadata cannot be read stops orbax from listing any
+            if read_only or not _set_aside_unreadable_steps(self.directory, error):
+                raise CheckpointError(f"cannot read the checkpoints in {self.directory} ({_brief(error)})") from error
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -71,7 +78,8 @@ class Checkpoints:
         for candidate in candidates:
             try:
                 restored = self.manager.restore(
-                    candidate, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract_state))
+                    candidate, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                        abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
                 )
                 return restored["state"], candidate
             except Exception as error:  # orbax raises many kinds for a damaged directory
@@ -79,6 +87,9 @@ class Checkpoints:
                 if step is not None:
                     raise CheckpointError(message) from error
                 log.warning("%s; trying an older one", message)
+                if not self.read_only:  # kept aside, so that this step can be written again
+                    _move_aside(self.directory / str(candidate))
+                    self.manager.reload()
         raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates})")
 
     def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> tuple[Any, int]:
@@ -94,7 +105,9 @@ class Checkpoints:
             raise CheckpointError(f"no checkpoint in {self.directory}: train first, or check the run directory")
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item={"params": abstract_params}, partial_restore=True)))
+                state=ocp.args.PyTreeRestore(
+                    item={"params": abstract_params}, partial_restore=True,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}))))
         except Exception as error:
             raise CheckpointError(
                 f"checkpoint at step {step} in {self.directory} is unreadable ({_brief(error)})"
@@ -107,6 +120,33 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _move_aside(step_dir: Path) -> Path:
+    """Move a damaged step directory to ../damaged_checkpoints: kept for inspection, out of
+    orbax's way."""
+    target = step_dir.parent.parent / "damaged_checkpoints" / step_dir.name
+    target.parent.mkdir(exist_ok=True)
+    if target.exists():
+        target = target.with_name(f"{step_dir.name}-{len(list(target.parent.iterdir()))}")
+    step_dir.rename(target)
+    return target
+
+
+def _set_aside_unreadable_steps(directory: Path, error: Exception) -> bool:
+    """Move aside the step directories whose JSON metadata does not parse, so the intact
+    ones can be listed and restored."""
+    moved = False
+    for step_dir in sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()):
+        for meta in [p for p in step_dir.rglob("*") if p.is_file() and ("METADATA" in p.name or p.parent.name == "metrics")]:
+            try:
+                json.loads(meta.read_text() or "null")
+            except (ValueError, UnicodeDecodeError):
+                target = _move_aside(step_dir)
+                log.warning("checkpoint at step %s is unreadable (%s); moved it to %s", step_dir.name, _brief(error), target)
+                moved = True
+                break
+    return moved
 
 
 def _brief(error: Exception) -> str:

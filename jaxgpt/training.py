@@ -86,7 +86,7 @@ def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformatio
         grads = jax.tree.map(lambda g: g / k, grad_sum)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

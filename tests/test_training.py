@@ -50,3 +50,129 @@ def test_sharded_training_equals_single_device():
     for mesh, r in results.items():
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, (mesh, r)
     assert results["(2, 2, 2)"]["sharded_leaves"] > 0 and results["(1, 1, 8)"]["sharded_leaves"] > 0
+
+
+# --- whole runs ------------------------------------------------------------------------------
+
+WORDS = "the a king queen lord lady speaks comes goes to from with and but now then here there".split()
+
+
+def write_corpus(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))).capitalize() + "." for _ in range(400)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+TINY_OVERRIDES = {
+    "data.tokenizer": "char", "data.val_fraction": 0.2,
+    "model.n_layer": 1, "model.n_head": 2, "model.d_model": 16, "model.block_size": 16,
+    "train.steps": 6, "train.batch_size": 4, "train.eval_batch_size": 4, "train.warmup_steps": 1,
+    "train.decay_steps": 12, "train.eval_every": 3, "train.ckpt_every": 3, "train.log_every": 1,
+    "train.eval_max_batches": 2, "train.peak_flops": 1e9, "sample.max_new_tokens": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def tiny_config(tmp_path, corpus, run="run", **changes):
+    from jaxgpt.training import default_config
+
+    config = default_config()
+    for key, value in {**TINY_OVERRIDES, **changes}.items():
+        *section, name = key.split(".")
+        (config[section[0]] if section else config)[name] = value
+    config.data.source = str(corpus)
+    config.data.cache_dir = str(tmp_path / "cache")
+    config.run_dir = str(tmp_path / run)
+    return config
+
+
+def cli_args(tmp_path, corpus, run="run", **changes):
+    values = {**TINY_OVERRIDES, **changes, "data.source": str(corpus), "data.cache_dir": str(tmp_path / "cache")}
+    return [f"--config.{k}={v}" for k, v in values.items()] + [f"--config.run_dir={tmp_path / run}"]
+
+
+def final_params(run_dir, step=None):
+    from jaxgpt.checkpoint import Checkpoints
+    from jaxgpt.model import GPT
+
+    cfg = GPTConfig.from_dict(json.loads((Path(run_dir) / "config.json").read_text())["model"])
+    abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    checkpoints = Checkpoints(run_dir, read_only=True)
+    params, _ = checkpoints.restore_params(abstract, step=step if step is not None else checkpoints.steps()[-1])
+    checkpoints.close()
+    return params
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+def test_resume_equals_uninterrupted(tmp_path, corpus):
+    from jaxgpt.training import train
+
+    first = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 3}))
+    assert first["step"] == 3
+    resumed = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 6}))
+    whole = train(tiny_config(tmp_path, corpus, "whole", **{"train.steps": 6}))
+    assert resumed["step"] == whole["step"] == 6
+    assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # the resumed run took up at step 4
+
+
+def test_keeps_last_checkpoints_and_best_by_validation_loss(tmp_path, corpus):
+    from jaxgpt.checkpoint import Checkpoints
+    from jaxgpt.training import train
+
+    train(tiny_config(tmp_path, corpus, **{"train.steps": 12, "train.ckpt_every": 2, "train.eval_every": 4,
+                                          "train.keep_checkpoints": 2}))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    best = min(val, key=val.get)
+    checkpoints = Checkpoints(tmp_path / "run", read_only=True)
+    assert set(checkpoints.steps()) == {10, 12} | {best}
+    assert checkpoints.best_step() == best
+    checkpoints.close()
+
+
+def test_resume_modes_and_another_model_in_the_run_dir(tmp_path, corpus):
+    from jaxgpt.training import TrainingError, train
+
+    with pytest.raises(TrainingError, match="resume='must' but .* has no checkpoint"):
+        train(tiny_config(tmp_path, corpus, **{"train.steps": 3}, resume="must"))
+    train(tiny_config(tmp_path, corpus, **{"train.steps": 3}))
+    with pytest.raises(TrainingError, match="resume='never' but .* already holds checkpoints"):
+        train(tiny_config(tmp_path, corpus, **{"train.steps": 6}, resume="never"))
+    with pytest.raises(TrainingError, match="holds a run of another model"):
+        train(tiny_config(tmp_path, corpus, **{"train.steps": 6, "model.d_model": 32}))
+
+
+@pytest.mark.parametrize("damage", ["arrays", "everything"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, caplog, damage):
+    from jaxgpt.training import train
+
+    train(tiny_config(tmp_path, corpus))  # checkpoints at steps 3 and 6
+    for f in (tmp_path / "run" / "checkpoints" / "6").rglob("*"):
+        is_metadata = "METADATA" in f.name or f.parent.name == "metrics" or f.suffix == ".json"
+        if f.is_file() and f.stat().st_size > 0 and (damage == "everything" or not is_metadata):
+            f.write_bytes(b"\0garbage")
+    caplog.set_level("WARNING")
+    result = train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))
+    assert "checkpoint at step 6" in caplog.text and "unreadable" in caplog.text
+    assert result["step"] == 9
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-6:] == [4, 5, 6, 7, 8, 9]  # redone from step 3
+
+
+def test_nan_loss_stops_the_run_naming_the_step(tmp_path, corpus):
+    from jaxgpt.training import TrainingError, train
+
+    with pytest.raises(TrainingError, match=r"non-finite loss .* at step \d+: stopping"):
+        train(tiny_config(tmp_path, corpus, **{"train.lr": 1e30, "train.clip": 0.0, "train.steps": 6}))
