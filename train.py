@@ -14,8 +14,6 @@ from ml_collections import config_flags
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
-config_flag = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "a configs/*.py file")
-
 
 def fail(message: str) -> None:
     print(f"train.py: {message}", file=sys.stderr)
@@ -23,11 +21,19 @@ def fail(message: str) -> None:
 
 
 def parse(argv):
+    """The config file and its command-line overrides; a bad one is a one-line error."""
     try:
+        config_flag = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "a configs/*.py file",
+                                                      sys_argv=argv)
         flags.FLAGS(argv)
-    except (flags.Error, ValueError, TypeError, AttributeError, KeyError, FileNotFoundError, OSError) as error:
-        fail(str(error).strip().splitlines()[0])
-    config = config_flag.value
+        config = config_flag.value
+        config.to_dict()  # a config file that failed to load raises here
+    except (AttributeError, KeyError) as error:  # an override naming a key the config does not have
+        key = str(error).strip("\"' ")
+        fail(f"the config has no key {key!r}: check the spelling against the config file (--config)")
+    except (flags.Error, ValueError, TypeError, ImportError, OSError) as error:
+        message = " ".join(line.strip() for line in str(error).strip().splitlines())
+        fail(f"{message or type(error).__name__}")
     if config.run_dir is None:
         config.run_dir = str(Path("runs") / Path(flags.FLAGS["config"].config_filename).stem)
     return config
@@ -51,9 +57,10 @@ def main(argv) -> int:
 
         if jax.process_index() == 0:
             params, cfg, tokenizer = sampling.load_run(config.run_dir)
-            text = sampling.sample_text(
-                params, cfg, tokenizer, config.sample.prompt, max_new_tokens=config.sample.max_new_tokens,
-                temperature=config.sample.temperature, top_k=config.sample.top_k or None, seed=config.train.seed,
+            prompt = config.sample.prompt
+            text = prompt + sampling.generate_text(
+                params, cfg, tokenizer, prompt, seed=config.train.seed, max_new_tokens=config.sample.max_new_tokens,
+                temperature=config.sample.temperature, top_k=config.sample.top_k or None,
             )
             (Path(config.run_dir) / "sample.txt").write_text(text)
             print(f"--- sample (run directory {config.run_dir}) ---")

@@ -476,7 +476,7 @@ def default_config():
             "keep_checkpoints": 3,
             "peak_flops": config_dict.placeholder(float),  # per device; None: measured on CPU
         },
-        "sample": {"prompt": "", "max_new_tokens": 200, "temperature": 0.8, "top_k": 40},
+        "sample": {"prompt": "\n", "max_new_tokens": 200, "temperature": 0.8, "top_k": 40},
         "mesh": {"data": -1, "fsdp": 1, "tensor": 1},
         "distributed": {
             "coordinator_address": config_dict.placeholder(str),

@@ -176,3 +176,97 @@ def test_nan_loss_stops_the_run_naming_the_step(tmp_path, corpus):
 
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step \d+: stopping"):
         train(tiny_config(tmp_path, corpus, **{"train.lr": 1e30, "train.clip": 0.0, "train.steps": 6}))
+
+
+def run_train_py(args, env=None, timeout=240):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_train_py_end_to_end_then_sample(tmp_path, corpus):
+    out = run_train_py(cli_args(tmp_path, corpus, **{"sample.max_new_tokens": 20, "sample.prompt": "The"}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 6 and "val_loss" in records[-1] and records[-1]["tokens_per_sec"] > 0
+    assert {"train_loss", "lr", "grad_norm", "mfu", "elapsed"} <= set(records[0])
+    assert (run / "checkpoints" / "6").is_dir()
+    assert (run / "loss.png").stat().st_size > 1000
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["model"]["vocab_size"] > 0 and saved["train"]["steps"] == 6
+    sample = (run / "sample.txt").read_text()
+    assert sample.startswith("The") and sample in out.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.train.no_such_key=1", "no_such_key"),
+    ("--config.train.steps=many", "steps"),
+])
+def test_train_py_bad_override_is_a_one_line_error(tmp_path, corpus, override, message):
+    out = run_train_py(cli_args(tmp_path, corpus) + [override])
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train.py: ") and message in lines[0], out.stderr
+
+
+def test_train_py_bad_setting_is_a_one_line_error(tmp_path, corpus):
+    out = run_train_py(cli_args(tmp_path, corpus, **{"model.n_head": 3}))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("train.py: GPTConfig.d_model=16 is not divisible by n_head=3")
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
+    """kill -9 mid-run loses at most ckpt_every steps: the next run starts at the last checkpoint."""
+    import time
+
+    args = cli_args(tmp_path, corpus, **{"train.steps": 100000, "train.decay_steps": 100000,
+                                         "train.ckpt_every": 2, "train.eval_every": 1000})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (checkpoints.is_dir() and any(p.name.isdigit() and int(p.name) >= 6 for p in checkpoints.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 6"
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reached = records[-1]["step"]
+    out = run_train_py(cli_args(tmp_path, corpus, **{"train.steps": reached + 3, "train.decay_steps": 100000,
+                                                     "train.ckpt_every": 2, "train.eval_every": 1000}) + ["--config.resume=must"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed_from = int(out.stderr.split("resuming at step ")[1].split(";")[0])
+    assert reached - 2 <= resumed_from <= reached  # at most ckpt_every steps of work lost
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_together_like_one(tmp_path, corpus):
+    """Two local processes (one CPU device each) on 127.0.0.1 share each batch, half the rows
+    each, and end where one process with the whole batch ends."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *cli_args(tmp_path, corpus, "pair"),
+             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+             "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert "2 cpu device(s)" in outputs[0][1]
+    single = run_train_py(cli_args(tmp_path, corpus, "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert_trees_close(final_params(tmp_path / "pair"), final_params(tmp_path / "single"), atol=1e-5)
+    losses = [[json.loads(line)["train_loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("pair", "single")]
+    np.testing.assert_allclose(losses[0], losses[1], atol=1e-5)
