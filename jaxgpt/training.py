@@ -105,6 +105,43 @@ def make_eval_step(model_cfg: GPTConfig):
     return eval_step
 
 
+_EVAL_STEPS: dict = {}
+
+
+def evaluate_tokens(model_cfg: GPTConfig, params, tokens, bytes_per_token: float, *, batch_size: int,
+                    stride: Optional[int] = None, max_batches: Optional[int] = None, batch_sharding=None,
+                    on_batch: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Loss (nats per token), perplexity and bits per byte of the model on a token array, over
+    the sequential windows of `data.eval_batch` (every target counted once; `stride` <
+    block_size gives each target more context). `max_batches` keeps only the first ones."""
+    from jaxgpt import data
+
+    if model_cfg not in _EVAL_STEPS:
+        _EVAL_STEPS[model_cfg] = jax.jit(make_eval_step(model_cfg))
+    eval_step = _EVAL_STEPS[model_cfg]
+    T = model_cfg.block_size
+    count_batches = data.num_eval_batches(len(tokens), batch_size=batch_size, block_size=T, stride=stride)
+    if max_batches:
+        count_batches = min(count_batches, max_batches)
+    if batch_sharding is None:
+        batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def make_batch(index: int, rows: slice):
+        return data.eval_batch(tokens, index, batch_size=batch_size, block_size=T, stride=stride, rows=rows)
+
+    loss_sum, count = 0.0, 0.0
+    with data.DeviceBatches(make_batch, start_step=0, end_step=count_batches, batch_size=batch_size,
+                            sharding=batch_sharding) as batches:
+        for index, (x, y, m) in batches:
+            s, c = eval_step(params, x, y, m)
+            loss_sum, count = loss_sum + float(s), count + float(c)
+            if on_batch:
+                on_batch(index + 1, count_batches)
+    loss = loss_sum / max(count, 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+            "val_bpb": data.bits_per_byte(loss, bytes_per_token), "val_tokens": int(count)}
+
+
 def init_state(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, key) -> TrainState:
     params = GPT(model_cfg).init(key, jnp.zeros((1, model_cfg.block_size), jnp.int32))["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
@@ -305,7 +342,6 @@ def train(config) -> dict:
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
-    eval_step = jax.jit(make_eval_step(cfg))
     if len(corpus.val) < 2:
         raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
                          "or give data.val_source")
@@ -314,25 +350,10 @@ def train(config) -> dict:
         return data.train_batch(corpus.train, seed=tc.seed, step=step, batch_size=accum * batch_size,
                                 block_size=T, rows=rows)
 
-    stride = config.data.get("eval_stride")
-    eval_count = data.num_eval_batches(len(corpus.val), batch_size=tc.eval_batch_size, block_size=T, stride=stride)
-    if tc.get("eval_max_batches"):
-        eval_count = min(eval_count, tc.eval_max_batches)
-
-    def make_eval_batch(index: int, rows: slice):
-        return data.eval_batch(corpus.val, index, batch_size=tc.eval_batch_size, block_size=T, stride=stride,
-                               rows=rows)
-
     def evaluate(params) -> dict:
-        loss_sum, count = 0.0, 0.0
-        with data.DeviceBatches(make_eval_batch, start_step=0, end_step=eval_count, batch_size=tc.eval_batch_size,
-                                sharding=batches_sharding) as batches:
-            for _, (x, y, m) in batches:
-                s, c = eval_step(params, x, y, m)
-                loss_sum, count = loss_sum + float(s), count + float(c)
-        loss = loss_sum / max(count, 1.0)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-                "val_bpb": data.bits_per_byte(loss, corpus.bytes_per_token["val"])}
+        return evaluate_tokens(cfg, params, corpus.val, corpus.bytes_per_token["val"], batch_size=tc.eval_batch_size,
+                               stride=config.data.get("eval_stride"), max_batches=tc.get("eval_max_batches"),
+                               batch_sharding=batches_sharding)
 
     tokens_per_step = accum * batch_size * T
     flops = flops_per_token(cfg, T)
