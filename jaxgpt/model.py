@@ -103,6 +103,18 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, scale, self.cfg.norm_eps)
 
 
+class Dropout(nn.Module):
+    """ops.dropout with a key from the 'dropout' RNG stream; the identity when deterministic."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):
+        if deterministic or self.rate == 0.0:
+            return x
+        return ops.dropout(x, self.rate, self.make_rng("dropout"))
+
+
 def Norm(cfg: GPTConfig, name: str) -> nn.Module:
     return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](cfg, name=name)
 
@@ -135,7 +147,7 @@ class CausalSelfAttention(nn.Module):
         if cfg.attention == "explicit":
             weights = ops.attention_weights(q, k, mask, bias)
             self.sow("intermediates", "attention_weights", weights)
-            weights = nn.Dropout(cfg.dropout)(weights, deterministic=deterministic)
+            weights = Dropout(cfg.dropout)(weights, deterministic)
             context = ops.attend(weights, v)
         else:
             context = jax.nn.dot_product_attention(
@@ -173,7 +185,7 @@ class Block(nn.Module):
     def __call__(self, x, positions, layer_cache=None, *, deterministic=True):
         cfg = self.cfg
         ln_1, attn, mlp = Norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
-        drop = lambda h: nn.Dropout(cfg.dropout)(h, deterministic=deterministic)  # noqa: E731
+        drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
         mha = lambda h: attn(h, positions, layer_cache, deterministic=deterministic)  # noqa: E731
 
         if cfg.parallel_block:
@@ -221,7 +233,7 @@ class GPT(nn.Module):
             table = ops.sinusoidal_positions(cfg.block_size, cfg.d_model)
             x = x + table[positions].astype(x.dtype)
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
-        x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout)(x, deterministic)
 
         new_keys, new_values = [], []
         for layer in range(cfg.n_layer):

@@ -154,3 +154,22 @@ def test_cross_entropy_of_uniform_logits_is_log_vocab():
     loss = ops.cross_entropy(jnp.zeros((4, 9, V)), jnp.zeros((4, 9), jnp.int32))
     assert float(loss) == pytest.approx(math.log(V), rel=1e-6)
     assert float(ops.perplexity(loss)) == pytest.approx(V, rel=1e-5)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
+def test_dropout_zeroes_a_fraction_p_and_scales_the_rest(rate):
+    import jax
+
+    x = jnp.ones((64, 1000))
+    y = np.asarray(ops.dropout(x, rate, jax.random.key(0)))
+    n = y.size
+    dropped = (y == 0).mean()
+    assert abs(dropped - rate) < 5 * math.sqrt(rate * (1 - rate) / n)  # within 5 binomial standard deviations
+    np.testing.assert_allclose(y[y != 0], 1 / (1 - rate), rtol=1e-6)  # E[y] = x
+    rows = (y == 0).mean(axis=1)  # no position is favoured
+    assert rows.std() < 4 * math.sqrt(rate * (1 - rate) / 1000)
+    again = np.asarray(ops.dropout(x, rate, jax.random.key(0)))
+    other = np.asarray(ops.dropout(x, rate, jax.random.key(1)))
+    np.testing.assert_array_equal(y, again)
+    assert (y != other).mean() > rate * (1 - rate)
+    np.testing.assert_array_equal(np.asarray(ops.dropout(x, 0.0, jax.random.key(0))), 1.0)

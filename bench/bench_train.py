@@ -1,0 +1,147 @@
+"""Training speed and memory on this machine, printed as a table.
+
+    python bench/bench_train.py                 # both shapes, ~2 minutes
+    python bench/bench_train.py --recipe        # also the full CPU recipe: val loss at step 2000
+
+Each shape runs in its own process (so peak RSS is its own): the jitted train step of
+jaxgpt.training on real Tiny Shakespeare batches from jaxgpt.data with the prefetching
+loader, after one compile. MFU = flops_per_token × tokens/s ÷ the fp32 matmul peak measured
+in the same process. nanoGPT's numbers on this machine (PyTorch 2.13, CPU) are in the
+table for the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+SHAPES = {
+    # name: (config file, batch size, steps to time, nanoGPT tokens/s here, targets)
+    "cpu_recipe": ("shakespeare_char_cpu", 12, 100, 17_000, {"tokens_per_sec": 25_000}),
+    "baby_gpt": ("shakespeare_char", 64, 4, 1_680, {"mfu": 0.75, "rss_gib": 3.5}),
+}
+
+
+def load_config(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def measure(shape: str) -> dict:
+    """Run in a child process: compile, then time the train step on real batches."""
+    import jax
+
+    from jaxgpt import data, sharding
+    from jaxgpt.model import flops_per_token
+    from jaxgpt.optim import learning_rate_schedule, make_optimizer
+    from jaxgpt.training import make_train_step, measure_matmul_peak, model_config, sharded_init
+
+    config_name, batch_size, steps, _, _ = SHAPES[shape]
+    config = load_config(config_name)
+    config.data.source = str(DATA)
+    corpus = data.prepare(config.data)
+    cfg = model_config(config, corpus.tokenizer.vocab_size)
+    tc = config.train
+    mesh = sharding.make_mesh(config.mesh)
+    optimizer = make_optimizer(tc)
+    state, shardings = sharded_init(cfg, optimizer, jax.random.key(0), mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    step_fn = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(tc), tc.grad_accum),
+                      in_shardings=(shardings, (batch_sharding, batch_sharding), None),
+                      out_shardings=(shardings, None), donate_argnums=0)
+
+    def make_batch(step, rows):
+        return data.train_batch(corpus.train, seed=0, step=step, batch_size=batch_size, block_size=cfg.block_size,
+                                rows=rows)
+
+    with data.DeviceBatches(make_batch, start_step=0, end_step=steps + 2, batch_size=batch_size,
+                            sharding=batch_sharding) as batches:
+        _, first = next(batches)
+        key = jax.random.key(0)
+        start = time.perf_counter()
+        compiled = step_fn.lower(state, first, key).compile()
+        compile_s = time.perf_counter() - start
+        state, metrics = compiled(state, first, key)  # warm-up
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for step, batch in batches:
+            state, metrics = compiled(state, batch, jax.random.fold_in(key, step))
+        jax.block_until_ready(metrics)
+        elapsed = time.perf_counter() - start
+    timed = steps + 1
+    tokens_per_sec = timed * batch_size * cfg.block_size / elapsed
+    peak = measure_matmul_peak()
+    return {
+        "shape": shape, "batch": batch_size, "ms_per_step": 1000 * elapsed / timed,
+        "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token(cfg, cfg.block_size) * tokens_per_sec / peak,
+        "peak_gflops": peak / 1e9, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "compile_s": compile_s,
+    }
+
+
+def recipe() -> dict:
+    """The CPU recipe end to end through train(): validation loss at step 2000."""
+    import tempfile
+
+    from absl import logging
+
+    from jaxgpt.training import train
+
+    logging.set_verbosity(logging.ERROR)
+    config = load_config("shakespeare_char_cpu")
+    config.data.source = str(DATA)
+    config.run_dir = tempfile.mkdtemp(prefix="jaxgpt-recipe-")
+    start = time.perf_counter()
+    result = train(config)
+    return {"val_loss": result["val_loss"], "minutes": (time.perf_counter() - start) / 60, "run_dir": config.run_dir}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe"], help=argparse.SUPPRESS)
+    parser.add_argument("--recipe", action="store_true", help="also train the CPU recipe for 2000 steps")
+    parser.add_argument("--shapes", nargs="*", default=sorted(SHAPES))
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(recipe() if args.child == "recipe" else measure(args.child)))
+        return
+
+    def child(name):
+        out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rows = [child(name) for name in args.shapes]
+    print(f"{'shape':<11} {'batch':>5} {'tokens/s':>9} {'ms/step':>8} {'MFU':>6} {'peak':>6} {'RSS GiB':>8} "
+          f"{'compile s':>9} {'vs nanoGPT':>10}  targets")
+    for r in rows:
+        _, _, _, nano, targets = SHAPES[r["shape"]]
+        verdicts = []
+        for key, target in targets.items():
+            ok = r[key] <= target if key == "rss_gib" else r[key] >= target
+            verdicts.append(f"{key} {'≤' if key == 'rss_gib' else '≥'} {target:g}: {'ok' if ok else 'MISSED'}")
+        verdicts.append(f"compile < 15 s: {'ok' if r['compile_s'] < 15 else 'MISSED'}")
+        print(f"{r['shape']:<11} {r['batch']:>5} {r['tokens_per_sec']:>9,.0f} {r['ms_per_step']:>8.1f} "
+              f"{r['mfu']:>6.1%} {r['peak_gflops']:>4.0f}GF {r['rss_gib']:>8.2f} {r['compile_s']:>9.1f} "
+              f"{r['tokens_per_sec'] / nano:>9.2f}x  {'; '.join(verdicts)}")
+    if args.recipe:
+        r = child("recipe")
+        print(f"CPU recipe, 2000 steps: val loss {r['val_loss']:.4f} (nanoGPT: 1.886; target ≤ 1.89: "
+              f"{'ok' if r['val_loss'] <= 1.89 else 'MISSED'}), {r['minutes']:.1f} min, run in {r['run_dir']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""GPT-2 small (124M): 12 layers, 12 heads, d_model 768, block 1024, tied embeddings,
+bfloat16 compute with float32 parameters, ~0.5M tokens per step through gradient
+accumulation (16 rows × 1024 tokens × 32 micro-batches = 524,288). For GPUs or a TPU slice:
+
+    python train.py --config=configs/gpt2_124m.py --config.data.source=tfds:NAME \\
+        --config.mesh.fsdp=-1 --config.mesh.data=1 --config.train.grad_accum=4 --config.train.batch_size=128
+
+Scale train.batch_size up and train.grad_accum down with the devices (their product × 1024
+is the tokens per step); the mesh splits rows over data × fsdp and fsdp shards the weights.
+"""
+
+from jaxgpt.training import default_config
+
+
+def get_config():
+    config = default_config()
+    config.data.source = "tfds:openwebtext"
+    config.data.tokenizer = "bpe"  # or the path of a saved tokenizer file, e.g. GPT-2's own
+    config.data.vocab_size = 50257
+    config.model.update(vocab_size=50304,  # the tokenizer's 50257 padded to a multiple of 64, as GPUs like
+                        n_layer=12, n_head=12, d_model=768, block_size=1024, dropout=0.0, bias=True,
+                        tie_embeddings=True, dtype="bfloat16", param_dtype="float32")
+    config.train.update(
+        steps=600_000, batch_size=16, grad_accum=32, lr=6e-4, min_lr=6e-5,
+        warmup_steps=2000, decay_steps=600_000, b1=0.9, b2=0.95, weight_decay=0.1, clip=1.0,
+        eval_every=500, ckpt_every=500, log_every=10, eval_batch_size=16, eval_max_batches=200,
+    )
+    config.sample.update(prompt="The", max_new_tokens=200)
+    return config
