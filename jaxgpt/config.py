@@ -40,6 +40,7 @@ class GPTConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     attention: str = "explicit"  # explicit = ops.attention; xla / cudnn = jax.nn.dot_product_attention
+    remat: bool = False  # recompute attention and elementwise ops in the backward pass: less memory
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -60,7 +61,7 @@ class GPTConfig:
             value = getattr(self, name)
             if value not in valid:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be one of {', '.join(valid)}")
-        for name in ("parallel_block", "bias", "tie_embeddings"):
+        for name in ("parallel_block", "bias", "tie_embeddings", "remat"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be True or False")
         if not 0.0 <= self.dropout < 1.0:

@@ -182,7 +182,7 @@ class Block(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache=None, *, deterministic=True):
+    def __call__(self, x, positions, layer_cache=None, deterministic=True):
         cfg = self.cfg
         ln_1, attn, mlp = Norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
         drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
@@ -235,10 +235,14 @@ class GPT(nn.Module):
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
 
+        # With remat, a block keeps only its weight-matmul outputs for the backward pass and
+        # recomputes attention and the elementwise ops from them.
+        block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                         static_argnums=(4,)) if cfg.remat else Block
         new_keys, new_values = [], []
         for layer in range(cfg.n_layer):
             layer_cache = None if cache is None else (cache.keys[layer], cache.values[layer], cache.index)
-            x, layer_cache = Block(cfg, name=f"h_{layer}")(x, positions, layer_cache, deterministic=deterministic)
+            x, layer_cache = block(cfg, name=f"h_{layer}")(x, positions, layer_cache, deterministic)
             if cache is not None:
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])

@@ -250,3 +250,19 @@ def test_dropout_only_with_key_and_not_deterministic():
 def test_cache_longer_than_block_is_refused():
     with pytest.raises(ValueError, match=r"max_length=17 must be in 1…block_size=16"):
         init_cache(tiny(), 1, 17)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_remat_gives_the_same_gradients(dropout):
+    from jaxgpt.training import loss_fn
+
+    plain = tiny(dropout=dropout)
+    remat = plain.replace(remat=True)
+    params, x = random_params(plain), tokens(plain, 2, 12)
+    key = jax.random.key(3) if dropout else None
+
+    def grads(cfg):
+        return jax.jit(jax.grad(lambda p: loss_fn(GPT(cfg), p, x, x, None, key)))(params)
+
+    for a, b in zip(jax.tree.leaves(grads(plain)), jax.tree.leaves(grads(remat))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
