@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 SHAPES = {
-    # name: (config file, batch size, steps to time, nanoGPT tokens/s here, targets)
-    "cpu_recipe": ("shakespeare_char_cpu", 12, 100, 17_000, {"tokens_per_sec": 25_000}),
-    "baby_gpt": ("shakespeare_char", 64, 4, 1_680, {"mfu": 0.75, "rss_gib": 3.5}),
+    # name: (config file, rows per micro-batch, micro-batches per step, steps to time,
+    #        nanoGPT tokens/s here, targets)
+    "cpu_recipe": ("shakespeare_char_cpu", 12, 1, 100, 17_000, {"tokens_per_sec": 25_000}),
+    # batch 64 as 4 accumulated micro-batches of 16: the same update, a quarter of the memory
+    "baby_gpt": ("shakespeare_char", 16, 4, 3, 1_680, {"mfu": 0.75, "rss_gib": 3.5}),
 }
 
 
@@ -48,7 +50,8 @@ def measure(shape: str) -> dict:
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
     from jaxgpt.training import make_train_step, measure_matmul_peak, model_config, sharded_init
 
-    config_name, batch_size, steps, _, _ = SHAPES[shape]
+    config_name, micro_batch, accum, steps, _, _ = SHAPES[shape]
+    batch_size = micro_batch * accum
     config = load_config(config_name)
     config.data.source = str(DATA)
     corpus = data.prepare(config.data)
@@ -58,7 +61,7 @@ def measure(shape: str) -> dict:
     optimizer = make_optimizer(tc)
     state, shardings = sharded_init(cfg, optimizer, jax.random.key(0), mesh)
     batch_sharding = sharding.batch_sharding(mesh)
-    step_fn = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(tc), tc.grad_accum),
+    step_fn = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(tc), accum),
                       in_shardings=(shardings, (batch_sharding, batch_sharding), None),
                       out_shardings=(shardings, None), donate_argnums=0)
 
@@ -84,7 +87,7 @@ def measure(shape: str) -> dict:
     tokens_per_sec = timed * batch_size * cfg.block_size / elapsed
     peak = measure_matmul_peak()
     return {
-        "shape": shape, "batch": batch_size, "ms_per_step": 1000 * elapsed / timed,
+        "shape": shape, "batch": f"{accum}×{micro_batch}" if accum > 1 else str(batch_size), "ms_per_step": 1000 * elapsed / timed,
         "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token(cfg, cfg.block_size) * tokens_per_sec / peak,
         "peak_gflops": peak / 1e9, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "compile_s": compile_s,
@@ -128,7 +131,7 @@ def main() -> None:
     print(f"{'shape':<11} {'batch':>5} {'tokens/s':>9} {'ms/step':>8} {'MFU':>6} {'peak':>6} {'RSS GiB':>8} "
           f"{'compile s':>9} {'vs nanoGPT':>10}  targets")
     for r in rows:
-        _, _, _, nano, targets = SHAPES[r["shape"]]
+        *_, nano, targets = SHAPES[r["shape"]]
         verdicts = []
         for key, target in targets.items():
             ok = r[key] <= target if key == "rss_gib" else r[key] >= target
