@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxgpt import checkpoint, ops, sharding
+from jaxgpt import checkpoint, convert, ops, sharding
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, flops_per_token
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
@@ -300,6 +300,9 @@ def train(config) -> dict:
         )
     resuming = has_checkpoints
 
+    init_from = config.get("init_from")
+    if init_from:  # the checkpoint fixes the architecture and the tokenizer
+        convert.resolve_init_from(config)
     corpus = data.prepare(config.data)
     tokenizer = corpus.tokenizer
     cfg = model_config(config, tokenizer.vocab_size)
@@ -334,6 +337,8 @@ def train(config) -> dict:
                                 state.to_dict(), state_shardings.to_dict())
         restored, start_step = checkpoints.restore(abstract)
         state = TrainState.from_dict(restored)
+    elif init_from:  # AdamW's fresh state is zeros whatever the params: only they change
+        state = state.replace(params=convert.init_params_from(init_from, cfg, state_shardings.params))
 
     batches_sharding = sharding.batch_sharding(mesh)
     train_step = jax.jit(
@@ -505,6 +510,7 @@ def default_config():
             "process_id": config_dict.placeholder(int),
             "auto": False,
         },
+        "init_from": config_dict.placeholder(str),  # 'hf:PATH': start from a GPT-2 checkpoint (jaxgpt.convert)
         "run_dir": config_dict.placeholder(str),  # None: runs/<config file name>
         "resume": "auto",  # auto | never | must
     })

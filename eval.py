@@ -1,0 +1,163 @@
+"""Evaluate a model on text: python eval.py (--run_dir RUN | --hf_dir DIR) [--data SOURCE] [--split val|train|all].
+
+Prints the loss (nats per token), perplexity = exp(loss) and bits per UTF-8 byte of a
+training run (its best checkpoint, or --step) or a Hugging Face GPT-2 directory on a data
+source as training reads it: a file, directory or glob, 'stdlib', or 'tfds:NAME[:SPLIT]',
+tokenized with the model's own tokenizer. The windows are those of training's evaluation:
+block_size tokens each, every target counted once, each window --stride tokens after the
+last (default block_size; a smaller stride gives each target more context). A progress
+bar goes to stderr and one JSON line to stdout.
+
+Splits: a run is evaluated by default on the validation split it held out while training
+(its own data settings; with --data, the same fraction of that source held out the same
+way). 'train' is the rest and 'all' the whole source. A Hugging Face model was trained on
+none of it, so 'all' is its default; 'val' holds out --val_fraction (default 0.1) as a run
+would. The work is done by jaxgpt.data and jaxgpt.training.evaluate_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+SPLITS = ("val", "train", "all")
+DEFAULT_BATCH_SIZE = 8
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="eval.py", description=__doc__.split("\n\n")[1])
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--run_dir", help="a training run's directory")
+    model.add_argument("--hf_dir", help="a Hugging Face GPT-2 directory (config.json, model.safetensors, "
+                                        "vocab.json, merges.txt)")
+    parser.add_argument("--step", type=int, help="with --run_dir: the checkpoint step (default: the best by "
+                                                 "validation loss)")
+    parser.add_argument("--data", help="the text: a file, directory or glob, 'stdlib' or 'tfds:NAME[:SPLIT]' "
+                                       "(default for a run: its own data)")
+    parser.add_argument("--split", choices=SPLITS, help="which part of the data (default: val for a run, all for "
+                                                        "a Hugging Face model)")
+    parser.add_argument("--val_fraction", type=float, help="the fraction held out as 'val' (default: the run's, "
+                                                           "else 0.1)")
+    parser.add_argument("--stride", type=int, help="tokens between window starts, 1…block_size (default: the run's "
+                                                   "eval stride, else block_size)")
+    parser.add_argument("--block_size", type=int, help="evaluate with a shorter context than the model's")
+    parser.add_argument("--batch_size", type=int, help=f"windows per batch (default: the run's eval batch size, "
+                                                       f"else {DEFAULT_BATCH_SIZE})")
+    parser.add_argument("--max_batches", type=int, help="evaluate only the first N batches (default: all)")
+    parser.add_argument("--cache_dir", help="where token files are cached (default: the run's, else jaxgpt's)")
+    return parser.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """Impossible values and combinations, found before anything is loaded."""
+    for name in ("step", "stride", "block_size", "batch_size", "max_batches"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "step" else 1):
+            raise ValueError(f"--{name} must be a {'non-negative' if name == 'step' else 'positive'} integer, "
+                             f"got {value}")
+    if args.val_fraction is not None and not 0 <= args.val_fraction < 1:
+        raise ValueError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
+    if args.hf_dir is not None:
+        if args.data is None:
+            raise ValueError("--hf_dir needs --data: the text to evaluate the model on")
+        if args.step is not None:
+            raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
+
+
+def load_model(args):
+    """(params, config, tokenizer, the run's saved config or {}) of --run_dir or --hf_dir."""
+    from jaxgpt import convert, sampling
+
+    if args.hf_dir is not None:
+        params, config, tokenizer = convert.load_hf_run(args.hf_dir)
+        return params, config, tokenizer, {}
+    params, config, tokenizer = sampling.load_run(args.run_dir, step=args.step)
+    return params, config, tokenizer, json.loads((Path(args.run_dir) / "config.json").read_text(encoding="utf-8"))
+
+
+def data_config(args, saved: dict, tokenizer_path: Path, split: str) -> dict:
+    """The data settings to prepare: the run's own (if any), the model's tokenizer, --data
+    as the only source when given, and no held-out part for 'all'."""
+    values = dict(saved.get("data", {}))
+    values["tokenizer"] = str(tokenizer_path)
+    if args.data is not None:
+        values.update(source=args.data, val_source=None)
+    elif "source" not in values:
+        raise ValueError(f"{args.run_dir}/config.json records no data source: pass --data")
+    if args.val_fraction is not None:
+        values["val_fraction"] = args.val_fraction
+    if split == "all":
+        values.update(val_fraction=0.0, val_source=None)
+    if args.cache_dir is not None:
+        values["cache_dir"] = args.cache_dir
+    return values
+
+
+def evaluate(args) -> dict:
+    from tqdm.auto import tqdm
+
+    from jaxgpt import convert, data, training
+
+    params, config, tokenizer, saved = load_model(args)
+    if args.block_size is not None:
+        config, params = convert.crop_block_size(config, params, args.block_size)
+    split = args.split or ("val" if args.run_dir is not None else "all")
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.run_dir is not None:
+            tokenizer_path = Path(args.run_dir) / "tokenizer.json"
+        else:  # the data pipeline reads a tokenizer file; its name names the token cache
+            tokenizer_path = Path(scratch) / f"{Path(args.hf_dir).resolve().name or 'gpt2'}.json"
+            tokenizer.save(tokenizer_path)
+        corpus = data.prepare(data_config(args, saved, tokenizer_path, split))
+    tokens = corpus.val if split == "val" else corpus.train
+    source = args.data or corpus.meta["source"]
+    if len(tokens) < 2:
+        raise ValueError(f"the {split} split of {source!r} has {len(tokens)} token(s), too few to evaluate "
+                         "(one input and one target): choose another --split, or raise --val_fraction for 'val'")
+    stride = args.stride if args.stride is not None else saved.get("data", {}).get("eval_stride")
+    batch_size = args.batch_size or saved.get("train", {}).get("eval_batch_size") or DEFAULT_BATCH_SIZE
+    bytes_per_token = corpus.bytes_per_token["val" if split == "val" else "train"]
+    # Counting the batches first also checks stride and batch size before the bar is drawn.
+    total = data.num_eval_batches(len(tokens), batch_size=batch_size, block_size=config.block_size, stride=stride)
+    with tqdm(total=min(total, args.max_batches or total), unit="batch", desc="eval", file=sys.stderr,
+              dynamic_ncols=True, mininterval=0.5) as bar:
+        def on_batch(done: int, _total: int) -> None:
+            bar.update(done - bar.n)
+
+        result = training.evaluate_tokens(config, params, tokens, bytes_per_token, batch_size=batch_size,
+                                          stride=stride, max_batches=args.max_batches, on_batch=on_batch)
+    return {
+        "loss": result["val_loss"],
+        "perplexity": result["val_ppl"],
+        "bits_per_byte": result["val_bpb"],
+        "tokens": result["val_tokens"],
+        "model": args.run_dir or args.hf_dir,
+        "data": source,
+        "split": split,
+        "block_size": config.block_size,
+        "stride": stride or config.block_size,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from absl import logging as absl_logging
+
+    from jaxgpt.checkpoint import CheckpointError
+
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
+    try:
+        check_args(args)
+        result = evaluate(args)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        print(f"eval.py: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

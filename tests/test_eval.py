@@ -1,0 +1,187 @@
+"""eval.py: loss, perplexity and bits per byte of a run or a Hugging Face GPT-2 on text, checked
+against a float64 evaluation of every target from the context its window gives it; and a
+one-line error for each bad input."""
+
+import importlib.util
+import json
+import math
+import re
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference as ref
+from jaxgpt import GPTConfig, convert, tokenizers
+from jaxgpt.checkpoint import Checkpoints
+from test_model import random_params
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "".join(f"Line {i}: the king speaks to the queen, and the lord answers {i * 7 % 13}.\n" for i in range(24))
+VAL_FRACTION = 0.2
+BLOCK = 16
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def cli():
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny(vocab_size):
+    return GPTConfig(vocab_size=vocab_size, block_size=BLOCK, n_layer=2, n_head=2, d_model=16)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus):
+    """A char-level run directory as training writes it, whose data is `corpus` with its last
+    fifth held out: (directory, config, params, tokenizer)."""
+    path = tmp_path_factory.mktemp("eval") / "run"
+    path.mkdir()
+    tokenizer = tokenizers.train_tokenizer("char", [TEXT])
+    cfg = tiny(tokenizer.vocab_size)
+    params = random_params(cfg)
+    config = {"model": cfg.to_dict(),
+              "data": {"source": str(corpus), "tokenizer": "char", "val_fraction": VAL_FRACTION,
+                       "cache_dir": str(path.parent / "cache"), "eval_stride": None},
+              "train": {"eval_batch_size": BATCH}}
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer.save(path / "tokenizer.json")
+    checkpoints = Checkpoints(path)
+    checkpoints.save(2, {"step": jnp.int32(2), "params": params, "opt_state": ()})
+    checkpoints.close()
+    return path, cfg, params, tokenizer
+
+
+def evaluate(cli, capsys, *args):
+    status = cli.main([str(arg) for arg in args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def result_of(cli, capsys, *args):
+    status, out, err = evaluate(cli, capsys, *args)
+    assert status == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 1, out  # one JSON line on stdout; the progress bar is on stderr
+    assert "eval" in err and "batch" in err
+    return json.loads(lines[0])
+
+
+def reference_loss(cfg, params, tokens, stride):
+    """Mean −log p(t_j | context) over every target j = 1…n−1 in float64, each predicted from
+    the longest context the windows give it: window w holds tokens w·stride … w·stride + T − 1,
+    and target j is counted in window 0 when j ≤ T, else in window ⌈(j − T)/stride⌉."""
+    T, n = cfg.block_size, len(tokens)
+    targets_of = defaultdict(list)
+    for j in range(1, n):
+        targets_of[0 if j <= T else -(-(j - T) // stride)].append(j)
+    total = 0.0
+    for w, targets in targets_of.items():
+        start = w * stride
+        logits = ref.gpt_forward(cfg, params, np.asarray(tokens[start:start + T])[None])[0]
+        top = logits.max(-1, keepdims=True)
+        log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        total -= sum(log_probs[j - start - 1, tokens[j]] for j in targets)
+    return total / (n - 1)
+
+
+def val_tokens(tokenizer):
+    """The held-out tail of the single-document corpus, tokenized."""
+    cut = len(TEXT) - round(len(TEXT) * VAL_FRACTION)
+    return TEXT[cut:], tokenizer.encode(TEXT[cut:])
+
+
+def test_a_run_is_evaluated_on_its_validation_split(cli, capsys, run):
+    path, cfg, params, tokenizer = run
+    result = result_of(cli, capsys, "--run_dir", path)
+    text, tokens = val_tokens(tokenizer)
+    assert result["tokens"] == len(tokens) - 1
+    assert result["loss"] == pytest.approx(reference_loss(cfg, params, tokens, BLOCK), rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
+    bytes_per_token = len(text.encode("utf-8")) / len(tokens)
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] / (math.log(2) * bytes_per_token), rel=1e-9)
+    assert (result["split"], result["block_size"], result["stride"]) == ("val", BLOCK, BLOCK)
+
+
+def test_stride_context_and_batches(cli, capsys, run):
+    path, cfg, params, tokenizer = run
+    _, tokens = val_tokens(tokenizer)
+    strided = result_of(cli, capsys, "--run_dir", path, "--stride", 5)
+    assert strided["tokens"] == len(tokens) - 1 and strided["stride"] == 5
+    assert strided["loss"] == pytest.approx(reference_loss(cfg, params, tokens, 5), rel=1e-5)
+
+    short = result_of(cli, capsys, "--run_dir", path, "--block_size", 8)
+    assert short["block_size"] == 8
+    assert short["loss"] == pytest.approx(reference_loss(cfg.replace(block_size=8), params, tokens, 8), rel=1e-5)
+
+    first = result_of(cli, capsys, "--run_dir", path, "--max_batches", 1)
+    assert first["tokens"] == BATCH * BLOCK  # the first batch's windows, each counting BLOCK new targets
+
+
+def test_a_hugging_face_model_is_evaluated_on_the_whole_file(cli, capsys, tmp_path, corpus):
+    bpe = tokenizers.train_tokenizer("bpe", [TEXT], vocab_size=300)
+    cfg = tiny(bpe.vocab_size)
+    params = random_params(cfg)
+    convert.save_hf_gpt2(tmp_path / "gpt2", cfg, params, tokenizer=bpe)
+    result = result_of(cli, capsys, "--hf_dir", tmp_path / "gpt2", "--data", corpus, "--cache_dir", tmp_path / "cache")
+    tokens = bpe.encode(TEXT)
+    assert (result["split"], result["tokens"]) == ("all", len(tokens) - 1)
+    assert result["loss"] == pytest.approx(reference_loss(cfg, params, tokens, BLOCK), rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
+    assert result["bits_per_byte"] == pytest.approx(
+        result["loss"] * len(tokens) / (math.log(2) * len(TEXT.encode("utf-8"))), rel=1e-9)
+
+    held_out = result_of(cli, capsys, "--hf_dir", tmp_path / "gpt2", "--data", corpus, "--cache_dir",
+                         tmp_path / "cache", "--split", "val", "--val_fraction", 0.5)
+    tail = TEXT[len(TEXT) - round(len(TEXT) * 0.5):]
+    assert held_out["tokens"] == len(bpe.encode(tail)) - 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hf_dir", "{hf}"], "--hf_dir needs --data: the text to evaluate the model on"),
+    (["--run_dir", "{run}", "--stride", "0"], "--stride must be a positive integer, got 0"),
+    (["--run_dir", "{run}", "--stride", "17"], "eval stride 17 must be an integer in 1…block_size=16"),
+    (["--run_dir", "{run}", "--block_size", "32"], "block_size=32: must be an integer in 1…16"),
+    (["--run_dir", "{run}", "--val_fraction", "1.5"], r"--val_fraction must be in \[0, 1\), got 1.5"),
+    (["--run_dir", "{run}/missing"], "run directory .*missing does not exist"),
+    (["--run_dir", "{run}", "--data", "{run}/no-such-text.txt"], "data source .*no-such-text.txt' does not exist"),
+    (["--run_dir", "{run}", "--val_fraction", "0"], "the val split of .* has 0 token\\(s\\), too few to evaluate"),
+    (["--hf_dir", "{run}", "--data", "x"], "config.json has no model_type, so it is not the config of a Hugging Face"),
+])
+def test_bad_input_is_a_one_line_error(cli, capsys, run, args, message):
+    path = run[0]
+    status, out, err = evaluate(cli, capsys, *(a.format(run=path, hf=path) for a in args))
+    assert status == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eval.py: error: "), err
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_a_run_that_records_no_data_needs_data(cli, capsys, run, tmp_path):
+    path = tmp_path / "run"
+    shutil.copytree(run[0], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({"model": config["model"]}))
+    status, _, err = evaluate(cli, capsys, "--run_dir", path)
+    assert status == 2 and err.strip() == f"eval.py: error: {path}/config.json records no data source: pass --data"
+
+
+def test_a_model_is_required(cli, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--data", "x"])
+    assert exit_.value.code == 2
+    assert "one of the arguments --run_dir --hf_dir is required" in capsys.readouterr().err
