@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from jaxgpt import data  # noqa: E402
+from table import best_time, print_table  # noqa: E402  (bench/table.py: this script's folder is on sys.path)
 
 DEFAULT_SHAKESPEARE = (Path(__file__).resolve().parents[1] / ".." /
                        "shared/data/tinyshakespeare.txt")
@@ -53,26 +54,6 @@ CONFIGS = [
      "this CPU, by FLOPs"),
     ("GPT-2 124M", 16, 1024, 6 * GPT2_PARAMS * 16 * 1024 / A100_FLOPS, "A100 bf16, 40% MFU"),
 ]
-
-
-def best_time(function, repeat):
-    """(smallest wall time of `repeat` calls, result of the last call)."""
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = function()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
-
-def print_table(header, rows):
-    lines = [header, *rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for k, line in enumerate(lines):
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(line, widths))))
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 def cold_build(cfg, root):

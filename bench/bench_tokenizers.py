@@ -21,22 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+import table  # noqa: E402  (bench/table.py: this script's folder is on sys.path)
 from jaxgpt import tokenizers  # noqa: E402
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared/data/tinyshakespeare.txt"
 TRAIN_SECONDS_TARGET = 5.0
 ENCODE_MB_PER_S_TARGET = 1.0
 COMPRESSION_SLACK = 0.01  # bytes/token may be at most 1% below the library's
-
-
-def best_time(function, repeat):
-    """(smallest wall time of `repeat` calls, result of the last call)."""
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = function()
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def measure(name, train, encode, decode, vocab_size, text, repeat):
@@ -50,7 +41,7 @@ def measure(name, train, encode, decode, vocab_size, text, repeat):
         start = time.perf_counter()
         encode(tokenizer, text)
         cold_s = min(cold_s, time.perf_counter() - start)
-    warm_s, ids = best_time(lambda: encode(tokenizer, text), repeat)
+    warm_s, ids = table.best_time(lambda: encode(tokenizer, text), repeat)
     return {
         "tokenizer": tokenizer,
         "name": name,
@@ -103,10 +94,10 @@ def library_row(text, vocab_size, repeat):
     )
 
 
-def print_table(rows, n_bytes):
+def print_rows(rows, n_bytes):
     header = ("tokenizer", "vocab", "train s", "enc MB/s cold", "enc MB/s warm",
               "bytes/token", "exact")
-    lines = [header]
+    lines = []
     for row in rows:
         lines.append((
             row["name"],
@@ -117,12 +108,7 @@ def print_table(rows, n_bytes):
             f"{n_bytes / row['tokens']:.4f}",
             "yes" if row["exact"] else "no",
         ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for k, line in enumerate(lines):
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(line, widths))))
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
+    table.print_table(header, lines)
 
 
 def reads_library_files(library, text):
@@ -179,7 +165,7 @@ def main(argv=None):
     rows = [ours, *([library] if library else []),
             jaxgpt_row("char", text, None, args.repeat),
             jaxgpt_row("word", text, None, args.repeat)]
-    print_table(rows, n_bytes)
+    print_rows(rows, n_bytes)
     if library is None:
         print("\n(the `tokenizers` library is not installed: pip install -e .[bench])")
     print_targets(ours, library, n_bytes, text)

@@ -33,12 +33,9 @@ SHAPES = {
 
 
 def load_config(name: str):
-    import importlib.util
+    from jaxgpt.training import load_config as load
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load(ROOT / "configs" / f"{name}.py")
 
 
 def measure(shape: str) -> dict:

@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxgpt import checkpoint, convert, ops, sharding
@@ -462,6 +461,17 @@ def train(config) -> dict:
             "run_dir": str(run_dir), **(last_val or {})}
 
 
+
+
+def load_config(path):
+    """get_config() of a configs/*.py file (what train.py's --config loads, without overrides)."""
+    import importlib.util
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def default_config():

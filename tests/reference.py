@@ -100,7 +100,7 @@ def gpt_forward(cfg, params, tokens):
     """logits = LN_f(Blocks(E[x] + P)) W_U in float64, following the GPTConfig's choices."""
     p = _to_float64(params)
     B, T = tokens.shape
-    H, D, d = cfg.n_head, cfg.d_model // cfg.n_head, cfg.d_model
+    H, d = cfg.n_head, cfg.d_model
     positions = np.tile(np.arange(T), (B, 1))
 
     def norm(x, q):

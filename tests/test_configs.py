@@ -1,6 +1,5 @@
 """Every preset loads, validates, and builds the model it describes."""
 
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -8,21 +7,14 @@ import jax.numpy as jnp
 import pytest
 
 from jaxgpt import GPT, param_count
-from jaxgpt.training import model_config
+from jaxgpt.training import load_config, model_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.py"))
 
 
-def load(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_builds_its_model(path):
-    config = load(path)
+    config = load_config(path)
     cfg = model_config(config, vocab_size=config.data.vocab_size or 65)
     shapes = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     assert sum(x.size for x in jax.tree.leaves(shapes)) == param_count(cfg)
@@ -30,7 +22,7 @@ def test_config_builds_its_model(path):
 
 
 def test_presets_match_their_recipes():
-    configs = {p.stem: load(p) for p in CONFIGS}
+    configs = {p.stem: load_config(p) for p in CONFIGS}
     assert {"default", "shakespeare_char_cpu", "shakespeare_char", "gpt2_124m"} <= set(configs)
     cpu = configs["shakespeare_char_cpu"]
     assert (cpu.model.n_layer, cpu.model.n_head, cpu.model.d_model, cpu.model.block_size) == (4, 4, 128, 64)
