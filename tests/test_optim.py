@@ -69,3 +69,20 @@ def test_adamw_decays_matrices_and_leaves_biases_alone():
     np.testing.assert_allclose(updates["h_0"]["mlp"]["c_fc"]["kernel"], -lr0 * 0.2 * params["h_0"]["mlp"]["c_fc"]["kernel"], rtol=1e-5)
     np.testing.assert_array_equal(updates["h_0"]["mlp"]["c_fc"]["bias"], 0.0)
     np.testing.assert_array_equal(updates["h_0"]["ln_1"]["scale"], 0.0)
+
+
+@pytest.mark.parametrize("norm, clip", [(5.0, 0.5), (0.2, 0.5)])
+def test_clipping_scales_gradients_to_the_global_norm_bound(norm, clip):
+    """With ε far above |g|, Adam's first step is ≈ −lr·ĝ/ε, so the update shows the clipped
+    gradient ĝ = g·min(1, c/‖g‖) directly (up to a relative error of ‖ĝ‖/ε)."""
+    eps = 1e4
+    train = ConfigDict({**TRAIN, "warmup_steps": 0, "lr": 1.0, "weight_decay": 0.0, "clip": clip, "eps": eps})
+    optimizer = make_optimizer(train)
+    params = {"w": jnp.zeros((3,)), "b": jnp.zeros((2,))}
+    direction = np.array([3.0, 4.0, 0.0, 1.0, 2.0])
+    g = direction / np.linalg.norm(direction) * norm
+    grads = {"w": jnp.asarray(g[:3]), "b": jnp.asarray(g[3:])}
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    clipped = g * min(1.0, clip / norm)
+    got = -np.concatenate([updates["w"], updates["b"]]) * eps
+    np.testing.assert_allclose(got, clipped, rtol=1e-3)
