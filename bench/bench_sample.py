@@ -1,0 +1,199 @@
+"""Generation speed: the KV cache against naive recomputation, side by side.
+
+    python bench/bench_sample.py [--shapes cpu baby] [--batches 1 16] [--new_tokens 500]
+
+For each model shape and batch size, --new_tokens tokens per row are drawn (temperature 1,
+no EOS) from a one-token prompt with `jaxgpt.sampling.generate` (the KV cache) and with
+naive recomputation: nanoGPT's sample.py as one compiled loop, which runs the whole cropped
+context (padded to block_size) through the model for every token. Reported separately:
+compile time (tracing, lowering and XLA compilation, from jax.monitoring), first-token
+latency (compiled; for the cache, prompt to first token with `stream`), and new tokens per
+second of the compiled run. At batch 1 a second column times a run that stays inside the
+context (block_size − 1 new tokens), where every cached token costs one position.
+
+Past block_size every new token needs one pass over the block_size-token window, with or
+without the cache (see jaxgpt/sampling.py), so the table ends with the speed that bound
+allows at the measured matmul peak of this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxgpt import GPT, GPTConfig, flops_per_token, sampling  # noqa: E402
+
+SHAPES = {
+    # nanoGPT's shakespeare_char CPU recipe and its "baby GPT" GPU recipe
+    "cpu": GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, d_model=128, bias=False, dropout=0.0),
+    "baby": GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, d_model=384, bias=False, dropout=0.0),
+}
+NAMES = {"cpu": "CPU recipe (4×128, block 64)", "baby": "baby GPT (6×384, block 256)"}
+CPU_TARGET = 4_500  # new tokens/s, batch 1, CPU-recipe shape, with the cache
+BABY_SPEEDUP_TARGET = 10.0  # cache over naive recomputation, baby-GPT shape
+PROMPT = [0]  # one token, as nanoGPT's default "\n"
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+compile_seconds = 0.0
+
+
+def count_compile_time(event: str, duration: float, **_) -> None:
+    global compile_seconds
+    if event in COMPILE_EVENTS:
+        compile_seconds += duration
+
+
+def timed(function):
+    """(wall seconds, of which compiling, result)."""
+    global compile_seconds
+    compile_seconds = 0.0
+    start = time.perf_counter()
+    result = jax.block_until_ready(function())
+    return time.perf_counter() - start, compile_seconds, result
+
+
+@functools.lru_cache(maxsize=None)  # one compiled loop per shape, as for generate
+def naive_generate(cfg: GPTConfig, new_tokens: int):
+    """nanoGPT's sample.py as one compiled loop, the baseline: for every new token the last
+    block_size tokens (all of them, left-aligned and padded, while fewer) go through the
+    model, and the token is drawn as `generate` draws it. All rows are equally long."""
+    model, window = GPT(cfg), cfg.block_size
+
+    @jax.jit
+    def run(params, prompts, key):
+        batch, prompt_length = prompts.shape
+        tokens = jnp.zeros((batch, max(prompt_length + new_tokens, window)), jnp.int32).at[:, :prompt_length].set(prompts)
+        uniforms = jax.random.uniform(key, (new_tokens, batch))
+
+        def step(i, tokens):
+            length = prompt_length + i
+            context = jax.lax.dynamic_slice_in_dim(tokens, jnp.maximum(length - window, 0), window, axis=1)
+            logits = model.apply({"params": params}, context)[:, jnp.minimum(length, window) - 1]
+            return tokens.at[:, length].set(jax.vmap(sampling.sample_at)(uniforms[i], logits))
+
+        return jax.lax.fori_loop(0, new_tokens, step, tokens)
+
+    return run
+
+
+def generation(params, cfg, method, batch, new_tokens, seed=0):
+    """A call that draws new_tokens per row from the one-token prompt, with `method`."""
+    key = jax.random.key(seed)
+    if method == "cache":
+        return lambda: sampling.generate(params, cfg, [PROMPT] * batch, key, max_new_tokens=new_tokens)
+    run, prompts = naive_generate(cfg, new_tokens), jnp.array([PROMPT] * batch)
+    return lambda: run(params, prompts, key)
+
+
+def run_seconds(params, cfg, method, batch, new_tokens):
+    """(compile seconds, seconds of the compiled run): a second run when the first was short."""
+    wall, compiling, _ = timed(generation(params, cfg, method, batch, new_tokens))
+    seconds = wall - compiling
+    if wall < 20:
+        seconds = min(seconds, timed(generation(params, cfg, method, batch, new_tokens, seed=1))[0])
+    return compiling, seconds
+
+
+def first_token_seconds(params, cfg, method, batch, new_tokens):
+    """Prompt to first token, compiled, best of three: with the cache, the first step of a
+    `stream` of new_tokens; naively, a run of one new token."""
+    def first_step():
+        steps = sampling.stream(params, cfg, [PROMPT] * batch, jax.random.key(0), max_new_tokens=new_tokens)
+        next(steps)
+        steps.close()
+
+    call = first_step if method == "cache" else generation(params, cfg, method, batch, 1)
+    call()
+    return min(timed(call)[0] for _ in range(3))
+
+
+def matmul_peak(n: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of a large float32 matmul: what this machine's arithmetic allows at best."""
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        tick = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - tick)
+    return 2 * n**3 / best
+
+
+def window_flops(cfg: GPTConfig) -> float:
+    """Forward FLOPs of one pass over a block_size window (a third of training's 6N + attention)."""
+    return cfg.block_size * flops_per_token(cfg, cfg.block_size) / 3
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["cpu", "baby"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--new_tokens", type=int, default=500)
+    args = parser.parse_args(argv)
+    jax.monitoring.register_event_duration_secs_listener(count_compile_time)
+
+    rows, speeds = [], {}
+    for shape in args.shapes:
+        cfg = SHAPES[shape]
+        params = jax.jit(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])()
+        for batch in args.batches:
+            for method in ("cache", "naive"):
+                compiling, seconds = run_seconds(params, cfg, method, batch, args.new_tokens)
+                first = first_token_seconds(params, cfg, method, batch, args.new_tokens)
+                speed = batch * args.new_tokens / seconds
+                inside = None
+                if batch == 1:
+                    fits = cfg.block_size - len(PROMPT)
+                    inside = fits / run_seconds(params, cfg, method, batch, fits)[1]
+                speeds[shape, batch, method] = (speed, inside)
+                rows.append((NAMES[shape], batch, method, compiling, 1e3 * first, speed, inside))
+                print(f"  measured {shape} batch {batch} {method}", file=sys.stderr, flush=True)
+
+    header = ("shape", "batch", "method", "compile s", "first token ms", f"tok/s ({args.new_tokens} new)",
+              "tok/s (in context)")
+    print(f"{header[0]:<30} {header[1]:>5} {header[2]:>6} {header[3]:>9} {header[4]:>14} {header[5]:>15} "
+          f"{header[6]:>18}")
+    for name, batch, method, compiling, first, speed, inside in rows:
+        inside_text = "—" if inside is None else f"{inside:,.0f}"
+        print(f"{name:<30} {batch:>5} {method:>6} {compiling:>9.2f} {first:>14.2f} {speed:>15,.0f} {inside_text:>18}")
+
+    print()
+    for shape in args.shapes:
+        for batch in args.batches:
+            (cached, cached_inside), (naive, naive_inside) = speeds[shape, batch, "cache"], speeds[shape, batch, "naive"]
+            inside = "" if cached_inside is None else f"; inside the context {cached_inside / naive_inside:.1f}×"
+            print(f"cache / naive, {NAMES[shape]}, batch {batch}: {cached / naive:.1f}× for "
+                  f"{args.new_tokens} new tokens{inside}")
+
+    peak = matmul_peak()
+    print(f"\nmatmul peak of this machine: {peak / 1e9:.0f} GFLOP/s")
+    for shape in args.shapes:
+        cfg = SHAPES[shape]
+        past = max(0, len(PROMPT) + args.new_tokens - 1 - cfg.block_size)  # drawn when the sequence is longer
+        bound = args.new_tokens / (past * window_flops(cfg) / peak) if past else float("inf")
+        print(f"{NAMES[shape]}: {past} of {args.new_tokens} new tokens lie past the context, each one "
+              f"{window_flops(cfg) / 1e6:,.0f} MFLOP window pass: at most {bound:,.0f} tok/s at batch 1 at peak")
+    if ("cpu", 1, "cache") in speeds:
+        speed = speeds["cpu", 1, "cache"][0]
+        verdict = "met" if speed >= CPU_TARGET else "missed"
+        print(f"target ≥ {CPU_TARGET:,} tok/s, CPU recipe, batch 1, {args.new_tokens} new: {speed:,.0f} ({verdict})")
+    for batch in args.batches:
+        if ("baby", batch, "cache") in speeds:
+            ratio = speeds["baby", batch, "cache"][0] / speeds["baby", batch, "naive"][0]
+            verdict = "met" if ratio >= BABY_SPEEDUP_TARGET else "missed"
+            print(f"target cache ≥ {BABY_SPEEDUP_TARGET:.0f}× naive, baby GPT, batch {batch}, {args.new_tokens} new: "
+                  f"{ratio:.1f}× ({verdict})")
+
+
+if __name__ == "__main__":
+    main()

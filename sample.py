@@ -1,0 +1,150 @@
+"""Sample text from a trained run: python sample.py --run_dir RUN [--prompt TEXT | --prompt_file PATH | < stdin].
+
+Loads the run's config, tokenizer and best (else latest) checkpoint, then prints
+--num_samples continuations of the prompt, drawn with --temperature/--top_k/--top_p, or the
+--beams best by beam search. --stream prints text as it is generated; --show_probs K prints,
+before each new token, the K most likely next tokens under the model. Generation stops at
+the tokenizer's <|eos|>. The work is done by jaxgpt.sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+from absl import logging as absl_logging
+
+from jaxgpt import sampling
+from jaxgpt.checkpoint import CheckpointError
+
+DIVIDER = "-" * 15
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--run_dir", required=True, help="a training run's directory")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="the text to continue")
+    source.add_argument("--prompt_file", help="a file holding the text to continue")
+    parser.add_argument("--num_samples", type=int, default=1, help="how many continuations (default 1)")
+    parser.add_argument("--max_new_tokens", type=int, default=256, help="at most this many new tokens (default 256)")
+    parser.add_argument("--temperature", type=float, help="τ ≥ 0, 0 for greedy (default 1: the model's distribution)")
+    parser.add_argument("--top_k", type=int, help="draw among the k most likely tokens only")
+    parser.add_argument("--top_p", type=float, help="draw among the fewest most likely tokens holding probability p")
+    parser.add_argument("--beams", type=int, help="beam search with this many beams instead of sampling")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    parser.add_argument("--show_probs", type=int, metavar="K",
+                        help="before each new token, the K most likely next tokens with their probabilities")
+    return parser.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """Impossible values and combinations, found before anything is loaded."""
+    for name in ("num_samples", "max_new_tokens", "show_probs", "beams"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value}")
+    if args.beams is None:
+        sampling.check_sampling_options(1.0 if args.temperature is None else args.temperature, args.top_k, args.top_p)
+        return
+    given = [f"--{name}" for name in ("temperature", "top_k", "top_p", "show_probs") if getattr(args, name) is not None]
+    given += ["--stream"] if args.stream else []
+    if given:
+        raise ValueError(f"beam search is deterministic and prints whole beams: drop {', '.join(given)}, or --beams")
+    if args.num_samples > args.beams:
+        raise ValueError(f"--num_samples={args.num_samples} is more than --beams={args.beams}, the beams kept")
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read --prompt_file {args.prompt_file}: {err}") from None
+    if sys.stdin.isatty():
+        raise ValueError("no prompt: pass --prompt TEXT or --prompt_file PATH, or pipe the text on stdin")
+    return sys.stdin.read()
+
+
+def print_sample(tokenizer, prompt: str, ids: list[int], records, stream: bool, show_probs: bool) -> None:
+    """One sample from its (token, top ids, top logprobs) records: with show_probs a line per
+    token and then the text, else the text (as it comes when streaming)."""
+    text = sampling.TextStream(tokenizer)
+    context = list(ids)
+    live = stream and not show_probs
+    if live:
+        print(prompt, end="", flush=True)
+    for token, top_ids, top_logprobs in records:
+        if show_probs:
+            print(sampling.format_next_tokens(tokenizer, context, top_ids, top_logprobs), flush=stream)
+        context.append(int(token))
+        new_text = text.push(token)
+        if live:
+            print(new_text, end="", flush=True)
+    print(text.finish() if live else prompt + tokenizer.decode(context[len(ids):]))
+
+
+def row_of(records, i):
+    """Row i of a record array, or None when that record was not asked for."""
+    return None if records is None else records[i]
+
+
+def print_samples(args, params, config, tokenizer, prompt: str, ids: list[int]) -> None:
+    key = jax.random.key(args.seed)
+    show_probs = args.show_probs is not None
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=1.0 if args.temperature is None else args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id,
+                   top_logprobs=min(args.show_probs or 0, config.vocab_size))
+    if args.stream:
+        for i in range(args.num_samples):
+            # One row at a time, with the key that row i of a batch would have: the same samples.
+            steps = sampling.stream(params, config, [ids], jax.random.fold_in(key, i)[None], **options)
+            records = ((s.token[0], row_of(s.top_ids, 0), row_of(s.top_logprobs, 0)) for s in steps)
+            if i:
+                print(DIVIDER)
+            print_sample(tokenizer, prompt, ids, records, stream=True, show_probs=show_probs)
+        return
+    result = jax.device_get(sampling.generate(params, config, [ids] * args.num_samples, key, **options))
+    for i, new in enumerate(result.new_tokens()):
+        top_ids, top_logprobs = row_of(result.top_ids, i), row_of(result.top_logprobs, i)
+        records = ((token, row_of(top_ids, step), row_of(top_logprobs, step)) for step, token in enumerate(new))
+        if i:
+            print(DIVIDER)
+        print_sample(tokenizer, prompt, ids, records, stream=False, show_probs=show_probs)
+
+
+def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int]) -> None:
+    beams = jax.device_get(sampling.beam_search(params, config, ids, num_beams=args.beams,
+                                                max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_id))
+    for i in range(args.num_samples):
+        if i:
+            print(DIVIDER)
+        print(f"# beam {i + 1}, score {beams.scores[i]:.4f}")
+        print(prompt + tokenizer.decode(beams.tokens[i, len(ids):beams.lengths[i]]))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        check_args(args)
+        prompt = read_prompt(args)
+        absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
+        params, config, tokenizer = sampling.load_run(args.run_dir)
+        ids = sampling.encode_prompt(tokenizer, prompt)
+    except (ValueError, CheckpointError) as err:
+        print(f"sample.py: error: {err}", file=sys.stderr)
+        return 2
+    if args.beams is None:
+        print_samples(args, params, config, tokenizer, prompt, ids)
+    else:
+        print_beams(args, params, config, tokenizer, prompt, ids)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
