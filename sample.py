@@ -1,5 +1,7 @@
 """Sample text from a trained run: python sample.py --run_dir RUN [--prompt TEXT | --prompt_file PATH | < stdin].
 
+(--hf_dir PATH samples from a Hugging Face GPT-2 directory instead of a run.)
+
 Loads the run's config, tokenizer and best (else latest) checkpoint, then prints
 --num_samples continuations of the prompt, drawn with --temperature/--top_k/--top_p, or the
 --beams best by beam search. --stream prints text as it is generated; --show_probs K prints,
@@ -16,7 +18,7 @@ from pathlib import Path
 import jax
 from absl import logging as absl_logging
 
-from jaxgpt import sampling
+from jaxgpt import convert, sampling, viz
 from jaxgpt.checkpoint import CheckpointError
 
 DIVIDER = "-" * 15
@@ -24,7 +26,10 @@ DIVIDER = "-" * 15
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--run_dir", required=True, help="a training run's directory")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--run_dir", help="a training run's directory")
+    model.add_argument("--hf_dir", help="a Hugging Face GPT-2 directory (config.json, model.safetensors, vocab.json, "
+                                        "merges.txt)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the text to continue")
     source.add_argument("--prompt_file", help="a file holding the text to continue")
@@ -38,6 +43,10 @@ def parse_args(argv):
     parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
     parser.add_argument("--show_probs", type=int, metavar="K",
                         help="before each new token, the K most likely next tokens with their probabilities")
+    parser.add_argument("--attention_png", metavar="FILE",
+                        help="also draw the prompt's attention weights, one heatmap per head, to this PNG")
+    parser.add_argument("--attention_layer", type=int, default=0,
+                        help="the layer --attention_png draws, from 0 (default 0; -1 the last)")
     return parser.parse_args(argv)
 
 
@@ -134,8 +143,12 @@ def main(argv=None) -> int:
         check_args(args)
         prompt = read_prompt(args)
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
-        params, config, tokenizer = sampling.load_run(args.run_dir)
+        params, config, tokenizer = (sampling.load_run(args.run_dir) if args.run_dir is not None
+                                     else convert.load_hf_run(args.hf_dir))
         ids = sampling.encode_prompt(tokenizer, prompt)
+        if args.attention_png:
+            viz.draw_attention(params, config, tokenizer, ids, args.attention_png, layer=args.attention_layer,
+                               name=Path(args.run_dir or args.hf_dir).name)
     except (ValueError, CheckpointError) as err:
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2

@@ -194,3 +194,19 @@ def test_cli_bad_input_is_a_one_line_error(capsys, run_dir, tmp_path, args, mess
     assert status == 2 and out == ""
     assert err.startswith("jaxgpt.viz: error: ") and err.count("\n") == 1, err
     assert message in err
+
+
+def test_sample_py_draws_the_attention_picture_of_its_prompt(capsys, run_dir, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample_cli", Path(__file__).resolve().parent.parent / "sample.py")
+    sample_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sample_cli)
+    out_file = tmp_path / "attention.png"
+    status = sample_cli.main(["--run_dir", str(run_dir), "--prompt", PROMPT, "--max_new_tokens", "3",
+                              "--attention_png", str(out_file), "--attention_layer", "-1"])
+    assert status == 0, capsys.readouterr().err
+    assert_picture(out_file)
+    status = sample_cli.main(["--run_dir", str(run_dir), "--prompt", PROMPT, "--attention_png", str(out_file),
+                              "--attention_layer", "5"])
+    assert status == 2 and "out of range" in capsys.readouterr().err
