@@ -25,7 +25,8 @@ DIVIDER = "-" * 15
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--run_dir", help="a training run's directory")
     model.add_argument("--hf_dir", help="a Hugging Face GPT-2 directory (config.json, model.safetensors, vocab.json, "
@@ -35,7 +36,8 @@ def parse_args(argv):
     source.add_argument("--prompt_file", help="a file holding the text to continue")
     parser.add_argument("--num_samples", type=int, default=1, help="how many continuations (default 1)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="at most this many new tokens (default 256)")
-    parser.add_argument("--temperature", type=float, help="τ ≥ 0, 0 for greedy (default 1: the model's distribution)")
+    parser.add_argument("--temperature", type=float,
+                        help="τ ≥ 0, 0 for greedy (default 1: the model's distribution)")
     parser.add_argument("--top_k", type=int, help="draw among the k most likely tokens only")
     parser.add_argument("--top_p", type=float, help="draw among the fewest most likely tokens holding probability p")
     parser.add_argument("--beams", type=int, help="beam search with this many beams instead of sampling")
@@ -106,9 +108,9 @@ def row_of(records, i):
 def print_samples(args, params, config, tokenizer, prompt: str, ids: list[int]) -> None:
     key = jax.random.key(args.seed)
     show_probs = args.show_probs is not None
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=1.0 if args.temperature is None else args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id,
-                   top_logprobs=min(args.show_probs or 0, config.vocab_size))
+    temperature = 1.0 if args.temperature is None else args.temperature
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+                   eos_id=tokenizer.eos_id, top_logprobs=min(args.show_probs or 0, config.vocab_size))
     if args.stream:
         for i in range(args.num_samples):
             # One row at a time, with the key that row i of a batch would have: the same samples.

@@ -71,7 +71,8 @@ def naive_generate(cfg: GPTConfig, new_tokens: int):
     @jax.jit
     def run(params, prompts, key):
         batch, prompt_length = prompts.shape
-        tokens = jnp.zeros((batch, max(prompt_length + new_tokens, window)), jnp.int32).at[:, :prompt_length].set(prompts)
+        tokens = jnp.zeros((batch, max(prompt_length + new_tokens, window)), jnp.int32)
+        tokens = tokens.at[:, :prompt_length].set(prompts)
         uniforms = jax.random.uniform(key, (new_tokens, batch))
 
         def step(i, tokens):
@@ -170,7 +171,8 @@ def main(argv=None) -> None:
     print()
     for shape in args.shapes:
         for batch in args.batches:
-            (cached, cached_inside), (naive, naive_inside) = speeds[shape, batch, "cache"], speeds[shape, batch, "naive"]
+            cached, cached_inside = speeds[shape, batch, "cache"]
+            naive, naive_inside = speeds[shape, batch, "naive"]
             inside = "" if cached_inside is None else f"; inside the context {cached_inside / naive_inside:.1f}×"
             print(f"cache / naive, {NAMES[shape]}, batch {batch}: {cached / naive:.1f}× for "
                   f"{args.new_tokens} new tokens{inside}")
@@ -191,8 +193,8 @@ def main(argv=None) -> None:
         if ("baby", batch, "cache") in speeds:
             ratio = speeds["baby", batch, "cache"][0] / speeds["baby", batch, "naive"][0]
             verdict = "met" if ratio >= BABY_SPEEDUP_TARGET else "missed"
-            print(f"target cache ≥ {BABY_SPEEDUP_TARGET:.0f}× naive, baby GPT, batch {batch}, {args.new_tokens} new: "
-                  f"{ratio:.1f}× ({verdict})")
+            print(f"target cache ≥ {BABY_SPEEDUP_TARGET:.0f}× naive, baby GPT, batch {batch}, "
+                  f"{args.new_tokens} new: {ratio:.1f}× ({verdict})")
 
 
 if __name__ == "__main__":

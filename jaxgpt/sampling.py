@@ -279,16 +279,12 @@ def _next_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths, active
     """Every row's next-token logits (B, V) and the cache: from the cache (one position per
     row) when every active row fits in the context and the cache is filled, else by one
     pass over each row's cropped context, which refills the cache."""
+    from_cache = lambda: _cached_logits(params, cfg, cache, tokens, lengths)  # noqa: E731
     if tokens.shape[1] <= cfg.block_size:  # every sequence fits, and _start_cache prefilled the prompts
-        return _cached_logits(params, cfg, cache, tokens, lengths)
+        return from_cache()
     fits = (step > 0) & jnp.all(~active | (lengths <= cfg.block_size))
     window = cfg.block_size
-    return jax.lax.cond(
-        fits,
-        lambda params, cache, tokens, lengths: _cached_logits(params, cfg, cache, tokens, lengths),
-        lambda params, cache, tokens, lengths: _recomputed_logits(params, cfg, tokens, lengths, window, window),
-        params, cache, tokens, lengths,
-    )
+    return jax.lax.cond(fits, from_cache, lambda: _recomputed_logits(params, cfg, tokens, lengths, window, window))
 
 
 def _step(params, state: _State, options: _Options, program: _Program):

@@ -486,8 +486,8 @@ def test_sample_py_show_probs(cli, capsys, run_dir, loaded):
         for (_, shown), t in zip(choices, top):
             percent = 100 * np.exp(log_p[t])
             assert percent < 1 if shown is None else abs(shown - percent) <= 0.51
-        second_context = tokenizer.decode(tokenizer.encode(PROMPT) + [int(new[0])], keep_special=True).replace("\n", "⏎")
-        assert parse_probs_line(lines[1])[0] == second_context
+        second_context = tokenizer.decode(tokenizer.encode(PROMPT) + [int(new[0])], keep_special=True)
+        assert parse_probs_line(lines[1])[0] == second_context.replace("\n", "⏎")
 
 
 def test_sample_py_streams_a_prompt_from_stdin(cli, capsys, run_dir, monkeypatch):
