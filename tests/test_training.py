@@ -197,6 +197,13 @@ def test_train_py_end_to_end_then_sample(tmp_path, corpus):
     sample = (run / "sample.txt").read_text()
     assert sample.startswith("The") and sample in out.stdout
 
+    # sample.py on the run directory these training steps made: streamed, with next-token probabilities
+    sampled = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--run_dir", str(run), "--prompt", "The king",
+                              "--max_new_tokens", "5", "--stream", "--show_probs", "3"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert "The king" in sampled.stdout and "%" in sampled.stdout and "↦" in sampled.stdout
+
 
 @pytest.mark.parametrize("override, message", [
     ("--config.train.no_such_key=1", "no_such_key"),
