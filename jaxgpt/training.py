@@ -396,9 +396,6 @@ def train(config) -> dict:
             last_fetched.update(values)
         pending = []
 
-    def save(at_step: int, val_loss=None) -> None:
-        checkpoints.save(at_step, state.to_dict(), val_loss=val_loss)
-
     train_batches = data.DeviceBatches(make_batch, start_step=start_step, end_step=tc.steps,
                                        batch_size=accum * batch_size, sharding=batches_sharding)
     with train_batches as batches, StopRequested() as stop:
@@ -439,13 +436,13 @@ def train(config) -> dict:
                     )
                     interval_losses.clear()
                     if do_ckpt:
-                        save(step, last_val["val_loss"] if do_eval else None)
+                        checkpoints.save(step, state.to_dict(), val_loss=last_val["val_loss"] if do_eval else None)
                     interval_start = time.perf_counter()  # evaluation and saving are not training time
                 if stop.signal_name:
                     interrupted = stop.signal_name
                     break
-        except KeyboardInterrupt:
-            interrupted = "SIGINT"
+        except KeyboardInterrupt:  # a second signal: stop at once, the last checkpoint stands
+            interrupted = "a second signal"
         finally:
             checkpoints.close()
             metrics_log.close()
@@ -455,8 +452,9 @@ def train(config) -> dict:
 
         viz.plot_loss(run_dir)
         if interrupted:
-            print(f"stopped by {interrupted} at step {step}; checkpoint saved in {run_dir}. "
-                  "Run the same command again to resume.", file=sys.stderr)
+            saved = checkpoint.Checkpoints(run_dir, read_only=True).steps()
+            print(f"stopped by {interrupted} at step {step}; the last checkpoint is step {saved[-1] if saved else 'none'} "
+                  f"in {run_dir}. Run the same command again to resume.", file=sys.stderr)
     return {"step": step, "train_loss": last_fetched["loss"], "interrupted": interrupted,
             "run_dir": str(run_dir), **(last_val or {})}
 

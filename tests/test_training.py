@@ -277,3 +277,25 @@ def test_two_processes_train_together_like_one(tmp_path, corpus):
     losses = [[json.loads(line)["train_loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
               for run in ("pair", "single")]
     np.testing.assert_allclose(losses[0], losses[1], atol=1e-5)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, corpus):
+    """Preemption: SIGTERM stops after the current step, saves it, and says how to resume."""
+    import signal
+    import time
+
+    args = cli_args(tmp_path, corpus, **{"train.steps": 100000, "train.decay_steps": 100000,
+                                         "train.ckpt_every": 1000, "train.eval_every": 1000})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 3"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    last_step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert (tmp_path / "run" / "checkpoints" / str(last_step)).is_dir()  # saved where it stopped, not at 1000
+    assert f"stopped by SIGTERM at step {last_step}; the last checkpoint is step {last_step}" in err
