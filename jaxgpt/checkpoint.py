@@ -45,6 +45,7 @@ class Checkpoints:
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
