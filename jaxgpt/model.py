@@ -29,9 +29,9 @@ def normal(std):
     return nn.initializers.normal(stddev=std)
 
 
-def residual_init(cfg: GPTConfig):
+def residual_std(cfg: GPTConfig) -> float:
     """GPT-2 scales the projections that write into the residual stream by 1/√(2·n_layer)."""
-    return normal(INIT_STD / math.sqrt(2 * cfg.n_layer))
+    return INIT_STD / math.sqrt(2 * cfg.n_layer)
 
 
 # --- the KV cache ------------------------------------------------------------------------
@@ -77,6 +77,30 @@ def write_cache(cache_keys, cache_values, index, k, v):
 
 
 # --- modules ------------------------------------------------------------------------------
+
+
+class Linear(nn.Module):
+    """y = x W + b, with W of shape (input dims…, output dims…) as Flax's DenseGeneral has it;
+    the input dims are the last `n_in` axes of x. Computed as one 2-D matmul (ops.linear)."""
+
+    features: tuple
+    cfg: GPTConfig
+    n_in: int = 1
+    use_bias: bool = True
+    init_std: float = INIT_STD
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        in_shape, out_shape = x.shape[x.ndim - self.n_in:], tuple(self.features)
+        kernel = self.param("kernel", normal(self.init_std), (*in_shape, *out_shape), cfg.params_dtype)
+        batch = x.shape[: x.ndim - self.n_in]
+        x2 = x.reshape(*batch, math.prod(in_shape)).astype(cfg.compute_dtype)
+        w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(cfg.compute_dtype)
+        y = ops.linear(x2, w2).reshape(*batch, *out_shape)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, out_shape, cfg.params_dtype).astype(cfg.compute_dtype)
+        return y
 
 
 class LayerNorm(nn.Module):
@@ -127,8 +151,7 @@ class CausalSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, layer_cache=None, *, deterministic=True):
         cfg = self.cfg
-        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, use_bias=cfg.bias)
-        qkv = nn.DenseGeneral((3, cfg.n_head, cfg.head_dim), kernel_init=normal(INIT_STD), name="c_attn", **dense)(x)
+        qkv = Linear((3, cfg.n_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="c_attn")(x)
         q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]  # each (B, T, H, D)
         if cfg.positions == "rope":
             q, k = ops.rope(q, positions, cfg.rope_base), ops.rope(k, positions, cfg.rope_base)
@@ -153,9 +176,7 @@ class CausalSelfAttention(nn.Module):
             context = jax.nn.dot_product_attention(
                 q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask, implementation=cfg.attention
             )
-        out = nn.DenseGeneral(
-            cfg.d_model, axis=(-2, -1), kernel_init=residual_init(cfg), name="c_proj", **dense
-        )(context)
+        out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, init_std=residual_std(cfg), name="c_proj")(context)
         return out, layer_cache
 
 
@@ -167,11 +188,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, use_bias=cfg.bias)
         width = cfg.d_ff * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
-        h = nn.Dense(width, kernel_init=normal(INIT_STD), name="c_fc", **dense)(x)
+        h = Linear((width,), cfg, use_bias=cfg.bias, name="c_fc")(x)
         h = ops.ACTIVATIONS[cfg.activation](h)
-        return nn.Dense(cfg.d_model, kernel_init=residual_init(cfg), name="c_proj", **dense)(h)
+        return Linear((cfg.d_model,), cfg, use_bias=cfg.bias, init_std=residual_std(cfg), name="c_proj")(h)
 
 
 class Block(nn.Module):
@@ -248,11 +268,10 @@ class GPT(nn.Module):
                 new_values.append(layer_cache[1])
 
         x = Norm(cfg, "ln_f")(x)
-        if cfg.tie_embeddings:
-            logits = wte.attend(x)
+        if cfg.tie_embeddings:  # W_U = Eᵀ
+            logits = ops.linear(x.astype(cfg.compute_dtype), wte.embedding.T.astype(cfg.compute_dtype))
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=normal(INIT_STD),
-                              dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="lm_head")(x)
+            logits = Linear((cfg.vocab_size,), cfg, use_bias=False, name="lm_head")(x)
         logits = logits.astype(jnp.float32)
         if cache is None:
             return logits

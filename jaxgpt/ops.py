@@ -12,6 +12,33 @@ import math
 import jax
 import jax.numpy as jnp
 
+# --- linear maps ------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def linear(x, w):
+    """y = x W for x (..., n) and W (n, m): 'Nn,nm->Nm' over all leading positions N."""
+    return x @ w
+
+
+def _linear_forward(x, w):
+    return x @ w, (x, w)
+
+
+def _linear_backward(residuals, dy):
+    """∂L/∂x = dy Wᵀ and ∂L/∂W = xᵀ dy, with dy materialised first and the positions
+    flattened: XLA on CPU otherwise fuses the producer of dy (e.g. the GELU backward) into a
+    transposed copy that runs several times slower than the matmuls themselves."""
+    x, w = residuals
+    dy = jax.lax.optimization_barrier(dy)
+    dx = dy @ w.T
+    dw = x.reshape(-1, x.shape[-1]).T @ dy.reshape(-1, dy.shape[-1])
+    return dx, dw.astype(w.dtype)
+
+
+linear.defvjp(_linear_forward, _linear_backward)
+
+
 # --- masks and attention ---------------------------------------------------------------
 
 

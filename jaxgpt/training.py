@@ -406,7 +406,8 @@ def train(config) -> dict:
                 pending.append((step, metrics))
                 is_last = step == tc.steps
                 do_eval = is_last or step % tc.eval_every == 0
-                do_ckpt = is_last or do_eval or step % tc.ckpt_every == 0 or stop.signal_name
+                stopping = stop.signal_name  # read once: a signal arriving later is seen next step
+                do_ckpt = is_last or do_eval or step % tc.ckpt_every == 0 or stopping
                 if step % tc.log_every == 0 or do_eval or do_ckpt:
                     fetch()
                     now = time.perf_counter()
@@ -438,8 +439,8 @@ def train(config) -> dict:
                     if do_ckpt:
                         checkpoints.save(step, state.to_dict(), val_loss=last_val["val_loss"] if do_eval else None)
                     interval_start = time.perf_counter()  # evaluation and saving are not training time
-                if stop.signal_name:
-                    interrupted = stop.signal_name
+                if stopping:
+                    interrupted = stopping
                     break
         except KeyboardInterrupt:  # a second signal: stop at once, the last checkpoint stands
             interrupted = "a second signal"

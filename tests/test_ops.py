@@ -173,3 +173,17 @@ def test_dropout_zeroes_a_fraction_p_and_scales_the_rest(rate):
     np.testing.assert_array_equal(y, again)
     assert (y != other).mean() > rate * (1 - rate)
     np.testing.assert_array_equal(np.asarray(ops.dropout(x, 0.0, jax.random.key(0))), 1.0)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (2, 6, 8)])
+def test_linear_and_its_gradients(rng, shape):
+    """y = xW; ∂(Σ y⊙g)/∂x = g Wᵀ and /∂W = Σ_positions xᵀ g, against float64 NumPy."""
+    import jax
+
+    x, w = rng.standard_normal(shape), rng.standard_normal((shape[-1], 3))
+    g = rng.standard_normal((*shape[:-1], 3))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(ops.linear(f32(x), f32(w))), x @ w, rtol=1e-5, atol=1e-5)
+    dx, dw = jax.grad(lambda x, w: (ops.linear(x, w) * f32(g)).sum(), argnums=(0, 1))(f32(x), f32(w))
+    np.testing.assert_allclose(np.asarray(dx), g @ w.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), x.reshape(-1, shape[-1]).T @ g.reshape(-1, 3), rtol=1e-5, atol=1e-5)

@@ -223,7 +223,7 @@ def test_train_py_bad_setting_is_a_one_line_error(tmp_path, corpus):
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
-    """kill -9 mid-run loses at most ckpt_every steps: the next run starts at the last checkpoint."""
+    """kill -9 mid-run: the next run starts at the newest finished checkpoint."""
     import time
 
     args = cli_args(tmp_path, corpus, **{"train.steps": 100000, "train.decay_steps": 100000,
@@ -243,7 +243,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus):
                                                      "train.ckpt_every": 2, "train.eval_every": 1000}) + ["--config.resume=must"])
     assert out.returncode == 0, out.stderr[-3000:]
     resumed_from = int(out.stderr.split("resuming at step ")[1].split(";")[0])
-    assert reached - 2 <= resumed_from <= reached  # at most ckpt_every steps of work lost
+    # Saves are asynchronous: the newest finished checkpoint is at most ckpt_every steps behind the
+    # last started one, which is at most ckpt_every steps behind where the run was killed.
+    assert reached - 2 * 2 <= resumed_from <= reached
+    assert resumed_from % 2 == 0 and resumed_from >= 6
 
 
 def free_port() -> int:
