@@ -394,11 +394,9 @@ def test_fine_tuning_from_a_checkpoint_runs_end_to_end(tmp_path, checkpoint):
 
 
 def test_sample_py_samples_from_a_checkpoint(checkpoint, capsys):
-    import importlib.util
+    from scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("sample_cli", ROOT / "sample.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("sample.py")
     try:
         cli.parse_args(["--hf_dir", str(checkpoint)])
     except SystemExit:

@@ -2,7 +2,6 @@
 against a float64 evaluation of every target from the context its window gives it; and a
 one-line error for each bad input."""
 
-import importlib.util
 import json
 import math
 import re
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 import reference as ref
+from scripts import load_script
 from jaxgpt import GPTConfig, convert, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from test_model import random_params
@@ -28,10 +28,7 @@ BATCH = 4
 
 @pytest.fixture(scope="module")
 def cli():
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("eval.py")
 
 
 def tiny(vocab_size):

@@ -3,7 +3,6 @@ naive float64 recomputation (tests/reference.py) and enumeration, and sample.py 
 
 import ast
 import functools
-import importlib.util
 import io
 import itertools
 import json
@@ -20,6 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import reference as ref
+from scripts import load_script
 from jaxgpt import GPTConfig, sampling, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from test_model import random_params as uncommitted_random_params
@@ -424,10 +424,7 @@ def loaded(run_dir):
 
 @pytest.fixture(scope="module")
 def cli():
-    spec = importlib.util.spec_from_file_location("sample_cli", ROOT / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sample.py")
 
 
 def sample(cli, capsys, run_dir, *args):

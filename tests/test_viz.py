@@ -197,11 +197,9 @@ def test_cli_bad_input_is_a_one_line_error(capsys, run_dir, tmp_path, args, mess
 
 
 def test_sample_py_draws_the_attention_picture_of_its_prompt(capsys, run_dir, tmp_path):
-    import importlib.util
+    from scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("sample_cli", Path(__file__).resolve().parent.parent / "sample.py")
-    sample_cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sample_cli)
+    sample_cli = load_script("sample.py")
     out_file = tmp_path / "attention.png"
     status = sample_cli.main(["--run_dir", str(run_dir), "--prompt", PROMPT, "--max_new_tokens", "3",
                               "--attention_png", str(out_file), "--attention_layer", "-1"])
