@@ -184,18 +184,49 @@ def alibi_bias(n_head, n):
 # --- regularisation -----------------------------------------------------------------------
 
 
+def _mix32(h):
+    """A bijective avalanche mix of uint32 words (xor-shift-multiply): each output bit
+    depends on every input bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def hash_bits(key, shape):
+    """32 pseudo-random bits per element, a keyed hash of the element's index: with (k₀, k₁)
+    drawn from `key`, bits[i, r] = mix(mix(r ⊕ k₀) ⊕ (i·φ + k₁)), i the index along the first
+    axis and r the row-major index within the others.
+
+    Counter-based: each element's bits depend only on the key and the element's index, so
+    the bits are the same however the array is sharded over devices (each device hashes its
+    own indices; nothing is generated whole and sliced), and XLA fuses the hash into the
+    op that uses it instead of writing a bit array to memory."""
+    shape = tuple(shape)
+    first = 1 if len(shape) >= 2 else 0  # a vector is one row: r runs over all of it
+    if math.prod(shape[first:]) >= 2**32:
+        raise ValueError(f"hash_bits: {math.prod(shape[first:])} elements per index of the first axis is "
+                         "2^32 or more; split the array along its first axis")
+    k = jax.random.bits(key, (2,), jnp.uint32)
+    rest = jnp.zeros(shape, jnp.uint32)
+    for axis in range(first, len(shape)):
+        stride = jnp.uint32(math.prod(shape[axis + 1:]))
+        rest = rest + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * stride
+    lead = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) if first else jnp.zeros(shape, jnp.uint32)
+    return _mix32(_mix32(rest ^ k[0]) ^ (lead * jnp.uint32(0x9E3779B9) + k[1]))
+
+
 def dropout(x, rate, key):
     """Dropout: x ⊙ m/(1−p), m_i ~ Bernoulli(1−p): each element zeroed with probability p.
 
-    The mask bits come from XLA's counter-based ThreeFry generator seeded by `key` — several
-    times faster on CPU than drawing them with jax.random, which matters for the (B, H, T, T)
-    attention weights."""
+    m_i = (bits_i ≥ ⌊p·2³²⌉) with bits from `hash_bits`, so the keep probability is 1−p to
+    within 2⁻³², the mask is the same on one device or sharded over many, and it costs an
+    elementwise pass instead of a random-number generator's output in memory."""
     if rate == 0.0:
         return x
-    seed = jax.random.bits(key, (4,), jnp.uint32)
-    _, bits = jax.lax.rng_bit_generator(seed, x.shape, dtype=jnp.uint32,
-                                        algorithm=jax.lax.RandomAlgorithm.RNG_THREE_FRY)
-    keep = bits >= jnp.uint32(min(round(rate * 2**32), 2**32 - 1))
+    threshold = min(round(rate * 2**32), 2**32 - 1)
+    keep = hash_bits(key, x.shape) >= jnp.uint32(threshold)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 

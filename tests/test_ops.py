@@ -175,6 +175,40 @@ def test_dropout_zeroes_a_fraction_p_and_scales_the_rest(rate):
     np.testing.assert_array_equal(np.asarray(ops.dropout(x, 0.0, jax.random.key(0))), 1.0)
 
 
+def test_hash_bits_are_uniform_and_uncorrelated():
+    """Each of the 32 bits is 1 half the time; neighbours along every axis, and the same
+    element under another key, are uncorrelated (all within 5 standard errors)."""
+    import jax
+
+    bits = np.asarray(ops.hash_bits(jax.random.key(3), (16, 8, 32, 32)), np.uint64)
+    n = bits.size
+    ones = np.stack([(bits >> b) & 1 for b in range(32)]).reshape(32, -1).mean(axis=1)
+    assert np.abs(ones - 0.5).max() < 5 * math.sqrt(0.25 / n)
+    u = bits / 2.0**32  # uniform on [0, 1): mean ½, variance 1/12
+    assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    for axis in range(u.ndim):
+        a, b = np.moveaxis(u, axis, 0)[:-1].ravel(), np.moveaxis(u, axis, 0)[1:].ravel()
+        assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(a.size), axis
+    other = np.asarray(ops.hash_bits(jax.random.key(4), u.shape), np.uint64) / 2.0**32
+    assert abs(np.corrcoef(u.ravel(), other.ravel())[0, 1]) < 5 / math.sqrt(n)
+    counts = np.bincount((bits >> 24).ravel().astype(np.int64), minlength=256)  # the top byte
+    chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum()
+    assert chi2 < 255 + 5 * math.sqrt(2 * 255)
+
+
+def test_hash_bits_depend_on_the_index_only():
+    """bits[i, r] is a function of the key, i and the row-major index r within the rest only."""
+    import jax
+
+    key = jax.random.key(0)
+    whole = np.asarray(ops.hash_bits(key, (6, 4, 5)))
+    np.testing.assert_array_equal(whole.reshape(6, 20), np.asarray(ops.hash_bits(key, (6, 20))))
+    np.testing.assert_array_equal(whole[0].ravel(), np.asarray(ops.hash_bits(key, (20,))))
+    assert len(np.unique(whole)) == whole.size  # distinct indices, distinct words (here)
+    with pytest.raises(ValueError, match="2\\^32 or more; split the array"):
+        ops.hash_bits(key, (2, 2**16, 2**16))
+
+
 @pytest.mark.parametrize("shape", [(7, 5), (2, 6, 8)])
 def test_linear_and_its_gradients(rng, shape):
     """y = xW; ∂(Σ y⊙g)/∂x = g Wᵀ and /∂W = Σ_positions xᵀ g, against float64 NumPy."""
