@@ -50,6 +50,7 @@ def measure(shape: str) -> dict:
     config_name, micro_batch, accum, steps, _, _ = SHAPES[shape]
     batch_size = micro_batch * accum
     config = load_config(config_name)
+    sharding.use_cpu_cores(config.mesh, [micro_batch])  # as train() does: one device per core
     config.data.source = str(DATA)
     corpus = data.prepare(config.data)
     cfg = model_config(config, corpus.tokenizer.vocab_size)
@@ -87,7 +88,7 @@ def measure(shape: str) -> dict:
         "shape": shape, "batch": f"{accum}×{micro_batch}" if accum > 1 else str(batch_size), "ms_per_step": 1000 * elapsed / timed,
         "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token(cfg, cfg.block_size) * tokens_per_sec / peak,
         "peak_gflops": peak / 1e9, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "compile_s": compile_s,
+        "compile_s": compile_s, "devices": jax.device_count(),
     }
 
 
@@ -125,7 +126,7 @@ def main() -> None:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     rows = [child(name) for name in args.shapes]
-    print(f"{'shape':<11} {'batch':>5} {'tokens/s':>9} {'ms/step':>8} {'MFU':>6} {'peak':>6} {'RSS GiB':>8} "
+    print(f"{'shape':<11} {'dev':>3} {'batch':>5} {'tokens/s':>9} {'ms/step':>8} {'MFU':>6} {'peak':>6} {'RSS GiB':>8} "
           f"{'compile s':>9} {'vs nanoGPT':>10}  targets")
     for r in rows:
         *_, nano, targets = SHAPES[r["shape"]]
@@ -134,7 +135,7 @@ def main() -> None:
             ok = r[key] <= target if key == "rss_gib" else r[key] >= target
             verdicts.append(f"{key} {'≤' if key == 'rss_gib' else '≥'} {target:g}: {'ok' if ok else 'MISSED'}")
         verdicts.append(f"compile < 15 s: {'ok' if r['compile_s'] < 15 else 'MISSED'}")
-        print(f"{r['shape']:<11} {r['batch']:>5} {r['tokens_per_sec']:>9,.0f} {r['ms_per_step']:>8.1f} "
+        print(f"{r['shape']:<11} {r['devices']:>3} {r['batch']:>5} {r['tokens_per_sec']:>9,.0f} {r['ms_per_step']:>8.1f} "
               f"{r['mfu']:>6.1%} {r['peak_gflops']:>4.0f}GF {r['rss_gib']:>8.2f} {r['compile_s']:>9.1f} "
               f"{r['tokens_per_sec'] / nano:>9.2f}x  {'; '.join(verdicts)}")
     if args.recipe:

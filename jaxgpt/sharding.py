@@ -89,6 +89,53 @@ def batch_size_divisor(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def auto_cpu_devices(cores: int, batch_sizes, processes: int = 1) -> int:
+    """The most CPU devices, at most one per core, that split every batch's rows evenly
+    among the processes' devices."""
+    return max(n for n in range(1, max(cores, 1) + 1) if all(b % (n * processes) == 0 for b in batch_sizes))
+
+
+def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
+    """On a CPU, run one JAX device per core: the mesh's data axis then trains the rows of a
+    batch on all cores at once, each device a single stream of XLA ops on its share (small
+    models leave one multi-threaded device mostly idle between ops).
+
+    mesh.cpu_devices: N > 0 makes N CPU devices; 0 leaves JAX's default (one); −1 (the
+    default) one per core, as many as divide every batch evenly, when the mesh is plain data
+    parallelism and nothing else chose the count (XLA_FLAGS' force_host_platform_device_count
+    or jax_num_cpu_devices). Takes effect only before JAX's first operation: returns the
+    count set, or 0 when it left JAX as it was. Accelerators are unaffected.
+    """
+    wanted = int(mesh_cfg.get("cpu_devices", -1))
+    if wanted == 0:
+        return 0
+    if wanted < 0:
+        chosen_elsewhere = (jax.config.jax_num_cpu_devices != -1
+                            or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""))
+        plain_data_parallel = all(int(mesh_cfg.get(a, 1)) in (-1, 1) for a in ("fsdp", "tensor"))
+        if chosen_elsewhere or not plain_data_parallel:
+            return 0
+        wanted = auto_cpu_devices(available_cores(), batch_sizes, processes)
+        if wanted == 1:
+            return 0
+    try:
+        jax.config.update("jax_num_cpu_devices", wanted)
+    except RuntimeError:  # JAX already started: its devices stay as they are
+        if int(mesh_cfg.get("cpu_devices", -1)) > 0:
+            raise ValueError(f"mesh.cpu_devices={wanted} cannot take effect: JAX was already started in this "
+                             "process; set it before the first JAX operation, or leave it at -1") from None
+        return 0
+    return wanted
+
+
 def maybe_initialize_distributed(dist_cfg=None) -> None:
     """Start multi-host JAX when the config or the environment names a coordinator.
 

@@ -4,17 +4,26 @@ XLA's compiled programs are cached on disk for the session, so the many small tr
 of the suite compile each distinct program once (subprocesses inherit the cache through
 JAX_COMPILATION_CACHE_DIR)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import jax
 import numpy as np
 import pytest
 
-_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxgpt-xla-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # ours for this session: removed at its end
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxgpt-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+# One CPU device in this process whichever test starts JAX first (training would otherwise
+# make one per core); subprocesses choose their own.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", 1)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from jaxgpt import GPTConfig
+from jaxgpt import GPTConfig, sharding
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.training import init_state, make_train_step
 
@@ -50,6 +50,21 @@ def test_sharded_training_equals_single_device():
     for mesh, r in results.items():
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, (mesh, r)
     assert results["(2, 2, 2)"]["sharded_leaves"] > 0 and results["(1, 1, 8)"]["sharded_leaves"] > 0
+
+
+def test_cpu_devices_one_per_core_as_many_as_divide_the_batches():
+    assert sharding.auto_cpu_devices(2, [12, 48]) == 2
+    assert sharding.auto_cpu_devices(8, [12, 48]) == 6
+    assert sharding.auto_cpu_devices(8, [12, 32]) == 4
+    assert sharding.auto_cpu_devices(2, [15, 45]) == 1
+    assert sharding.auto_cpu_devices(4, [16, 32], processes=2) == 4
+    assert sharding.auto_cpu_devices(4, [12], processes=2) == 3
+    # JAX has started in this process: the count is left alone, and asking for one is an error
+    jax.devices()
+    assert sharding.use_cpu_cores({"data": -1, "fsdp": 1, "tensor": 1}, [12]) == 0
+    assert sharding.use_cpu_cores({"cpu_devices": 0}, [12]) == 0
+    with pytest.raises(ValueError, match="mesh.cpu_devices=3 cannot take effect: JAX was already started"):
+        sharding.use_cpu_cores({"cpu_devices": 3}, [12])
 
 
 # --- whole runs ------------------------------------------------------------------------------
@@ -196,6 +211,8 @@ def test_train_py_end_to_end_then_sample(tmp_path, corpus):
     assert saved["model"]["vocab_size"] > 0 and saved["train"]["steps"] == 6
     sample = (run / "sample.txt").read_text()
     assert sample.startswith("The") and sample in out.stdout
+    cores = sharding.auto_cpu_devices(sharding.available_cores(), [TINY_OVERRIDES["train.batch_size"]])
+    assert f"{cores} cpu device(s), mesh {{'data': {cores}," in out.stderr  # one device per core
 
     # sample.py on the run directory these training steps made: streamed, with next-token probabilities
     sampled = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--run_dir", str(run), "--prompt", "The king",
@@ -263,7 +280,7 @@ def test_two_processes_train_together_like_one(tmp_path, corpus):
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *cli_args(tmp_path, corpus, "pair"),
+            [sys.executable, str(ROOT / "train.py"), *cli_args(tmp_path, corpus, "pair", **{"mesh.cpu_devices": 1}),
              f"--config.distributed.coordinator_address=127.0.0.1:{port}",
              "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
