@@ -294,7 +294,7 @@ def train(config) -> dict:
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    checkpoints = checkpoint.Checkpoints(run_dir, keep=tc.keep_checkpoints)
+    checkpoints = checkpoint.Checkpoints(run_dir, keep=tc.keep_checkpoints, async_save=tc.get("async_checkpoints", True))
     resume = config.get("resume", "auto")
     if resume not in ("auto", "never", "must"):
         raise ValueError(f"resume={resume!r}: must be auto, never or must")
@@ -520,6 +520,9 @@ def default_config():
             "log_every": 10,
             "ckpt_every": 250,
             "keep_checkpoints": 3,
+            # True: training goes on while a checkpoint is written (a kill -9 during the write
+            # loses up to 2·ckpt_every steps); False: each save finishes first (at most ckpt_every)
+            "async_checkpoints": True,
             "peak_flops": config_dict.placeholder(float),  # per device (a CPU: per host); None: measured on CPU
         },
         "sample": {"prompt": "\n", "max_new_tokens": 200, "temperature": 0.8, "top_k": 40},
