@@ -12,7 +12,7 @@ POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu")
-ATTENTIONS = ("explicit", "xla", "cudnn")
+ATTENTIONS = ("explicit", "blocked", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -39,7 +39,9 @@ class GPTConfig:
     rope_base: float = 10000.0
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
-    attention: str = "explicit"  # explicit = ops.attention; xla / cudnn = jax.nn.dot_product_attention
+    # explicit = ops.attention; blocked = the same in query blocks of 64 that skip the keys the
+    # causal mask hides (training and prefill); xla / cudnn = jax.nn.dot_product_attention
+    attention: str = "explicit"
     remat: bool = False  # recompute attention and elementwise ops in the backward pass: less memory
 
     def __post_init__(self):

@@ -23,6 +23,7 @@ from jaxgpt import ops
 from jaxgpt.config import GPTConfig
 
 INIT_STD = 0.02
+ATTENTION_BLOCK = 64  # query positions per block of attention="blocked"
 
 
 def normal(std):
@@ -164,15 +165,30 @@ class CausalSelfAttention(nn.Module):
             layer_cache = (k, v)
             k_positions = jnp.arange(k.shape[1])[None, :]  # slot s holds position s
 
-        mask = ops.position_mask(positions, k_positions)[:, None]  # (B, 1, T, S)
-        bias = ops.alibi_bias_at(cfg.n_head, positions, k_positions) if cfg.positions == "alibi" else None
+        def mask_and_bias(q_positions, k_positions):
+            mask = ops.position_mask(q_positions, k_positions)[:, None]  # (B, 1, T, S)
+            bias = ops.alibi_bias_at(cfg.n_head, q_positions, k_positions) if cfg.positions == "alibi" else None
+            return mask, bias
 
-        if cfg.attention == "explicit":
+        def explicit(q, k, v, q_positions, k_positions, whole=True):
+            mask, bias = mask_and_bias(q_positions, k_positions)
             weights = ops.attention_weights(q, k, mask, bias)
-            self.sow("intermediates", "attention_weights", weights)
-            weights = Dropout(cfg.dropout)(weights, deterministic)
-            context = ops.attend(weights, v)
+            if whole:  # the (T, S) map of all the queries, for pictures
+                self.sow("intermediates", "attention_weights", weights)
+            return ops.attend(Dropout(cfg.dropout)(weights, deterministic), v)
+
+        T = q.shape[1]
+        if cfg.attention == "blocked" and layer_cache is None and T > ATTENTION_BLOCK:
+            # positions 0…T−1: the queries of block i see only the keys up to the end of block i
+            # (the rest are masked), so each block's QKᵀ and AV skip those keys.
+            context = jnp.concatenate([
+                explicit(q[:, start:end], k[:, :end], v[:, :end], positions[:, start:end], k_positions[:, :end], False)
+                for start in range(0, T, ATTENTION_BLOCK) for end in [min(start + ATTENTION_BLOCK, T)]
+            ], axis=1)
+        elif cfg.attention in ("explicit", "blocked"):
+            context = explicit(q, k, v, positions, k_positions)
         else:
+            mask, bias = mask_and_bias(positions, k_positions)
             context = jax.nn.dot_product_attention(
                 q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask, implementation=cfg.attention
             )

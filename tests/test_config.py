@@ -23,7 +23,7 @@ def test_defaults_are_gpt2():
         (dict(norm="batchnorm"), r"norm='batchnorm': must be one of layernorm, rmsnorm"),
         (dict(norm_position="middle"), r"norm_position='middle': must be one of pre, post"),
         (dict(activation="tanh"), r"activation='tanh': must be one of gelu, gelu_exact, relu, swiglu, geglu"),
-        (dict(attention="flash"), r"attention='flash': must be one of explicit, xla, cudnn"),
+        (dict(attention="flash"), r"attention='flash': must be one of explicit, blocked, xla, cudnn"),
         (dict(dtype="int8"), r"dtype='int8': must be one of"),
         (dict(n_layer=0), r"n_layer=0: must be a positive integer"),
         (dict(d_model=-8), r"d_model=-8: must be a positive integer"),
