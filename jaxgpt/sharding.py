@@ -114,10 +114,12 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
     or jax_num_cpu_devices). Takes effect only before JAX's first operation: returns the
     count set, or 0 when it left JAX as it was. Accelerators are unaffected.
     """
-    wanted = int(mesh_cfg.get("cpu_devices", -1))
+    requested = wanted = int(mesh_cfg.get("cpu_devices", -1))
+    if wanted < -1:
+        raise ValueError(f"mesh.cpu_devices={wanted}: use a device count, 0 (JAX's one device) or -1 (one per core)")
     if wanted == 0:
         return 0
-    if wanted < 0:
+    if wanted == -1:
         chosen_elsewhere = (jax.config.jax_num_cpu_devices != -1
                             or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""))
         plain_data_parallel = all(int(mesh_cfg.get(a, 1)) in (-1, 1) for a in ("fsdp", "tensor"))
@@ -129,7 +131,7 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
     try:
         jax.config.update("jax_num_cpu_devices", wanted)
     except RuntimeError:  # JAX already started: its devices stay as they are
-        if int(mesh_cfg.get("cpu_devices", -1)) > 0:
+        if requested > 0:
             raise ValueError(f"mesh.cpu_devices={wanted} cannot take effect: JAX was already started in this "
                              "process; set it before the first JAX operation, or leave it at -1") from None
         return 0

@@ -65,6 +65,8 @@ def test_cpu_devices_one_per_core_as_many_as_divide_the_batches():
     assert sharding.use_cpu_cores({"cpu_devices": 0}, [12]) == 0
     with pytest.raises(ValueError, match="mesh.cpu_devices=3 cannot take effect: JAX was already started"):
         sharding.use_cpu_cores({"cpu_devices": 3}, [12])
+    with pytest.raises(ValueError, match="mesh.cpu_devices=-3: use a device count, 0"):
+        sharding.use_cpu_cores({"cpu_devices": -3}, [12])
 
 
 # --- whole runs ------------------------------------------------------------------------------
