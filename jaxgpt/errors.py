@@ -1,0 +1,22 @@
+"""The errors a user can act on, and the one way their messages are made one line long.
+
+Every error that reaches a command line is a single line that says what is wrong and what to
+do; `one_line` turns a library's error (often many lines, sometimes a repr) into that form.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the key and what it must be."""
+
+
+class DataError(ValueError):
+    """A data source, setting or cache that cannot be used; the message says what to do."""
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """The first non-empty line of an error's message (at most `limit` characters), or its
+    type's name when it has no message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(error).__name__
