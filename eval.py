@@ -12,7 +12,7 @@ Splits: a run is evaluated by default on the validation split it held out while 
 (its own data settings; with --data, the same fraction of that source held out the same
 way). 'train' is the rest and 'all' the whole source. A Hugging Face model was trained on
 none of it, so 'all' is its default; 'val' holds out --val_fraction (default 0.1) as a run
-would. The work is done by jaxgpt.data and jaxgpt.training.evaluate_tokens.
+would. The work is done by jaxgpt.data and jaxgpt.evaluation.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 SPLITS = ("val", "train", "all")
@@ -69,20 +68,19 @@ def check_args(args) -> None:
 
 def load_model(args):
     """(params, config, tokenizer, the run's saved config or {}) of --run_dir or --hf_dir."""
-    from jaxgpt import convert, sampling
+    from jaxgpt import convert, run
 
     if args.hf_dir is not None:
         params, config, tokenizer = convert.load_hf_run(args.hf_dir)
         return params, config, tokenizer, {}
-    params, config, tokenizer = sampling.load_run(args.run_dir, step=args.step)
+    params, config, tokenizer = run.load_run(args.run_dir, step=args.step)
     return params, config, tokenizer, json.loads((Path(args.run_dir) / "config.json").read_text(encoding="utf-8"))
 
 
-def data_config(args, saved: dict, tokenizer_path: Path, split: str) -> dict:
-    """The data settings to prepare: the run's own (if any), the model's tokenizer, --data
-    as the only source when given, and no held-out part for 'all'."""
+def data_config(args, saved: dict, split: str) -> dict:
+    """The data settings to prepare (with the model's own tokenizer): the run's own (if any),
+    --data as the only source when given, and no held-out part for 'all'."""
     values = dict(saved.get("data", {}))
-    values["tokenizer"] = str(tokenizer_path)
     if args.data is not None:
         values.update(source=args.data, val_source=None)
     elif "source" not in values:
@@ -99,19 +97,14 @@ def data_config(args, saved: dict, tokenizer_path: Path, split: str) -> dict:
 def evaluate(args) -> dict:
     from tqdm.auto import tqdm
 
-    from jaxgpt import convert, data, training
+    from jaxgpt import convert, data
+    from jaxgpt.evaluation import evaluate_tokens
 
     params, config, tokenizer, saved = load_model(args)
     if args.block_size is not None:
         config, params = convert.crop_block_size(config, params, args.block_size)
     split = args.split or ("val" if args.run_dir is not None else "all")
-    with tempfile.TemporaryDirectory() as scratch:
-        if args.run_dir is not None:
-            tokenizer_path = Path(args.run_dir) / "tokenizer.json"
-        else:  # the data pipeline reads a tokenizer file; its name names the token cache
-            tokenizer_path = Path(scratch) / f"{Path(args.hf_dir).resolve().name or 'gpt2'}.json"
-            tokenizer.save(tokenizer_path)
-        corpus = data.prepare(data_config(args, saved, tokenizer_path, split))
+    corpus = data.prepare(data_config(args, saved, split), tokenizer=tokenizer)
     tokens = corpus.val if split == "val" else corpus.train
     source = args.data or corpus.meta["source"]
     if len(tokens) < 2:
@@ -127,7 +120,7 @@ def evaluate(args) -> dict:
         def on_batch(done: int, _total: int) -> None:
             bar.update(done - bar.n)
 
-        result = training.evaluate_tokens(config, params, tokens, bytes_per_token, batch_size=batch_size,
+        result = evaluate_tokens(config, params, tokens, bytes_per_token, batch_size=batch_size,
                                           stride=stride, max_batches=args.max_batches, on_batch=on_batch)
     return {
         "loss": result["val_loss"],

@@ -6,7 +6,7 @@ Loads the run's config, tokenizer and best (else latest) checkpoint, then prints
 --num_samples continuations of the prompt, drawn with --temperature/--top_k/--top_p, or the
 --beams best by beam search. --stream prints text as it is generated; --show_probs K prints,
 before each new token, the K most likely next tokens under the model. Generation stops at
-the tokenizer's <|eos|>. The work is done by jaxgpt.sampling.
+the tokenizer's <|eos|>. The work is done by jaxgpt.sampling, jaxgpt.beam and jaxgpt.text.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from pathlib import Path
 import jax
 from absl import logging as absl_logging
 
-from jaxgpt import convert, sampling, viz
+from jaxgpt import beam, convert, sampling, viz
 from jaxgpt.checkpoint import CheckpointError
+from jaxgpt.run import load_run
+from jaxgpt.text import TextStream, encode_prompt, format_next_tokens
 
 DIVIDER = "-" * 15
 
@@ -59,7 +61,7 @@ def check_args(args) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value}")
     if args.beams is None:
-        sampling.check_sampling_options(1.0 if args.temperature is None else args.temperature, args.top_k, args.top_p)
+        sampling_options(args)  # checks the sampling arguments
         return
     given = [f"--{name}" for name in ("temperature", "top_k", "top_p", "show_probs") if getattr(args, name) is not None]
     given += ["--stream"] if args.stream else []
@@ -85,14 +87,14 @@ def read_prompt(args) -> str:
 def print_sample(tokenizer, prompt: str, ids: list[int], records, stream: bool, show_probs: bool) -> None:
     """One sample from its (token, top ids, top logprobs) records: with show_probs a line per
     token and then the text, else the text (as it comes when streaming)."""
-    text = sampling.TextStream(tokenizer)
+    text = TextStream(tokenizer)
     context = list(ids)
     live = stream and not show_probs
     if live:
         print(prompt, end="", flush=True)
     for token, top_ids, top_logprobs in records:
         if show_probs:
-            print(sampling.format_next_tokens(tokenizer, context, top_ids, top_logprobs), flush=stream)
+            print(format_next_tokens(tokenizer, context, top_ids, top_logprobs), flush=stream)
         context.append(int(token))
         new_text = text.push(token)
         if live:
@@ -105,22 +107,27 @@ def row_of(records, i):
     return None if records is None else records[i]
 
 
+def sampling_options(args, **more) -> sampling.SamplingOptions:
+    """The arguments' SamplingOptions (ValueError for impossible ones), with `more` fields."""
+    temperature = 1.0 if args.temperature is None else args.temperature
+    return sampling.SamplingOptions(args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+                                    **more)
+
+
 def print_samples(args, params, config, tokenizer, prompt: str, ids: list[int]) -> None:
     key = jax.random.key(args.seed)
     show_probs = args.show_probs is not None
-    temperature = 1.0 if args.temperature is None else args.temperature
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
-                   eos_id=tokenizer.eos_id, top_logprobs=min(args.show_probs or 0, config.vocab_size))
+    options = sampling_options(args, eos_id=tokenizer.eos_id, top_logprobs=min(args.show_probs or 0, config.vocab_size))
     if args.stream:
         for i in range(args.num_samples):
             # One row at a time, with the key that row i of a batch would have: the same samples.
-            steps = sampling.stream(params, config, [ids], jax.random.fold_in(key, i)[None], **options)
+            steps = sampling.stream(params, config, [ids], jax.random.fold_in(key, i)[None], options)
             records = ((s.token[0], row_of(s.top_ids, 0), row_of(s.top_logprobs, 0)) for s in steps)
             if i:
                 print(DIVIDER)
             print_sample(tokenizer, prompt, ids, records, stream=True, show_probs=show_probs)
         return
-    result = jax.device_get(sampling.generate(params, config, [ids] * args.num_samples, key, **options))
+    result = jax.device_get(sampling.generate(params, config, [ids] * args.num_samples, key, options))
     for i, new in enumerate(result.new_tokens()):
         top_ids, top_logprobs = row_of(result.top_ids, i), row_of(result.top_logprobs, i)
         records = ((token, row_of(top_ids, step), row_of(top_logprobs, step)) for step, token in enumerate(new))
@@ -130,8 +137,8 @@ def print_samples(args, params, config, tokenizer, prompt: str, ids: list[int]) 
 
 
 def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int]) -> None:
-    beams = jax.device_get(sampling.beam_search(params, config, ids, num_beams=args.beams,
-                                                max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_id))
+    beams = jax.device_get(beam.beam_search(params, config, ids, num_beams=args.beams,
+                                            max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_id))
     for i in range(args.num_samples):
         if i:
             print(DIVIDER)
@@ -145,9 +152,9 @@ def main(argv=None) -> int:
         check_args(args)
         prompt = read_prompt(args)
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
-        params, config, tokenizer = (sampling.load_run(args.run_dir) if args.run_dir is not None
+        params, config, tokenizer = (load_run(args.run_dir) if args.run_dir is not None
                                      else convert.load_hf_run(args.hf_dir))
-        ids = sampling.encode_prompt(tokenizer, prompt)
+        ids = encode_prompt(tokenizer, prompt)
         if args.attention_png:
             viz.draw_attention(params, config, tokenizer, ids, args.attention_png, layer=args.attention_layer,
                                name=Path(args.run_dir or args.hf_dir).name)

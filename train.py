@@ -39,32 +39,41 @@ def parse(argv):
     return config
 
 
+def write_sample(config) -> str:
+    """The run's best model continues config.sample.prompt; the text goes to sample.txt."""
+    from jaxgpt import run, text
+
+    params, cfg, tokenizer = run.load_run(config.run_dir)
+    options = config.sample
+    sample = options.prompt + text.generate_text(
+        params, cfg, tokenizer, options.prompt, seed=config.train.seed, max_new_tokens=options.max_new_tokens,
+        temperature=options.temperature, top_k=options.top_k or None)
+    (Path(config.run_dir) / "sample.txt").write_text(sample)
+    return sample
+
+
 def main(argv) -> int:
     config = parse(argv)
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's informational logs would bury the progress bar
-    from jaxgpt import sampling, training
+    import jax
+
+    from jaxgpt import run, sharding, viz
 
     try:
-        result = training.train(config)
-    except (ValueError, FileNotFoundError, training.TrainingError) as error:
+        sharding.start_jax(config)  # before JAX's first operation: CPU devices, hosts
+        result = run.train(config)
+    except (ValueError, FileNotFoundError, run.TrainingError) as error:
         fail(str(error))
+    if jax.process_index() != 0:
+        return 130 if result["interrupted"] else 0
+    viz.plot_loss(config.run_dir)
     if result["interrupted"]:
         return 130
     if config.sample.max_new_tokens > 0:
-        import jax
-
-        if jax.process_index() == 0:
-            params, cfg, tokenizer = sampling.load_run(config.run_dir)
-            prompt = config.sample.prompt
-            text = prompt + sampling.generate_text(
-                params, cfg, tokenizer, prompt, seed=config.train.seed, max_new_tokens=config.sample.max_new_tokens,
-                temperature=config.sample.temperature, top_k=config.sample.top_k or None,
-            )
-            (Path(config.run_dir) / "sample.txt").write_text(text)
-            print(f"--- sample (run directory {config.run_dir}) ---")
-            print(text)
+        print(f"--- sample (run directory {config.run_dir}) ---")
+        print(write_sample(config))
     return 0
 
 

@@ -33,9 +33,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from table import best_time, print_table  # noqa: E402  (bench/table.py: this script's folder is on sys.path)
 
 from jaxgpt import data  # noqa: E402
-from table import best_time, print_table  # noqa: E402  (bench/table.py: this script's folder is on sys.path)
 
 DEFAULT_SHAKESPEARE = (Path(__file__).resolve().parents[1] / ".." /
                        "shared/data/tinyshakespeare.txt")

@@ -12,7 +12,7 @@ second of the compiled run. At batch 1 a second column times a run that stays in
 context (block_size − 1 new tokens), where every cached token costs one position.
 
 Past block_size every new token needs one pass over the block_size-token window, with or
-without the cache (see jaxgpt/sampling.py), so the table ends with the speed that bound
+without the cache (see jaxgpt/decoding.py), so the table ends with the speed that bound
 allows at the measured matmul peak of this machine.
 """
 
@@ -61,7 +61,7 @@ def timed(function):
     return time.perf_counter() - start, compile_seconds, result
 
 
-@functools.lru_cache(maxsize=None)  # one compiled loop per shape, as for generate
+@functools.cache  # one compiled loop per shape, as for generate
 def naive_generate(cfg: GPTConfig, new_tokens: int):
     """nanoGPT's sample.py as one compiled loop, the baseline: for every new token the last
     block_size tokens (all of them, left-aligned and padded, while fewer) go through the
@@ -84,6 +84,11 @@ def naive_generate(cfg: GPTConfig, new_tokens: int):
         return jax.lax.fori_loop(0, new_tokens, step, tokens)
 
     return run
+
+
+def init_params(cfg: GPTConfig):
+    """Random params of the shape, initialised in one compiled call."""
+    return jax.jit(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])()
 
 
 def generation(params, cfg, method, batch, new_tokens, seed=0):
@@ -146,7 +151,7 @@ def main(argv=None) -> None:
     rows, speeds = [], {}
     for shape in args.shapes:
         cfg = SHAPES[shape]
-        params = jax.jit(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])()
+        params = init_params(cfg)
         for batch in args.batches:
             for method in ("cache", "naive"):
                 compiling, seconds = run_seconds(params, cfg, method, batch, args.new_tokens)

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import table  # noqa: E402  (bench/table.py: this script's folder is on sys.path)
+
 from jaxgpt import tokenizers  # noqa: E402
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared/data/tinyshakespeare.txt"

@@ -33,7 +33,7 @@ SHAPES = {
 
 
 def load_config(name: str):
-    from jaxgpt.training import load_config as load
+    from jaxgpt.config import load_config as load
 
     return load(ROOT / "configs" / f"{name}.py")
 
@@ -43,18 +43,21 @@ def measure(shape: str) -> dict:
     import jax
 
     from jaxgpt import data, sharding
+    from jaxgpt.config import TrainConfig
+    from jaxgpt.metrics import measure_matmul_peak
     from jaxgpt.model import flops_per_token
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
-    from jaxgpt.training import make_train_step, measure_matmul_peak, model_config, sharded_init
+    from jaxgpt.run import model_config
+    from jaxgpt.training import make_train_step, sharded_init
 
     config_name, micro_batch, accum, steps, _, _ = SHAPES[shape]
     batch_size = micro_batch * accum
     config = load_config(config_name)
-    sharding.use_cpu_cores(config.mesh, [micro_batch])  # as train() does: one device per core
+    sharding.use_cpu_cores(config.mesh, [micro_batch])  # as train.py does: one device per core
     config.data.source = str(DATA)
     corpus = data.prepare(config.data)
     cfg = model_config(config, corpus.tokenizer.vocab_size)
-    tc = config.train
+    tc = TrainConfig.from_mapping(config.train)
     mesh = sharding.make_mesh(config.mesh)
     optimizer = make_optimizer(tc)
     state, shardings = sharded_init(cfg, optimizer, jax.random.key(0), mesh)
@@ -85,7 +88,8 @@ def measure(shape: str) -> dict:
     tokens_per_sec = timed * batch_size * cfg.block_size / elapsed
     peak = measure_matmul_peak()
     return {
-        "shape": shape, "batch": f"{accum}×{micro_batch}" if accum > 1 else str(batch_size), "ms_per_step": 1000 * elapsed / timed,
+        "shape": shape, "batch": f"{accum}×{micro_batch}" if accum > 1 else str(batch_size),
+        "ms_per_step": 1000 * elapsed / timed,
         "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token(cfg, cfg.block_size) * tokens_per_sec / peak,
         "peak_gflops": peak / 1e9, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "compile_s": compile_s, "devices": jax.device_count(),
@@ -98,12 +102,14 @@ def recipe() -> dict:
 
     from absl import logging
 
-    from jaxgpt.training import train
+    from jaxgpt import sharding
+    from jaxgpt.run import train
 
     logging.set_verbosity(logging.ERROR)
     config = load_config("shakespeare_char_cpu")
     config.data.source = str(DATA)
     config.run_dir = tempfile.mkdtemp(prefix="jaxgpt-recipe-")
+    sharding.start_jax(config)
     start = time.perf_counter()
     result = train(config)
     return {"val_loss": result["val_loss"], "minutes": (time.perf_counter() - start) / 60, "run_dir": config.run_dir}
@@ -135,7 +141,8 @@ def main() -> None:
             ok = r[key] <= target if key == "rss_gib" else r[key] >= target
             verdicts.append(f"{key} {'≤' if key == 'rss_gib' else '≥'} {target:g}: {'ok' if ok else 'MISSED'}")
         verdicts.append(f"compile < 15 s: {'ok' if r['compile_s'] < 15 else 'MISSED'}")
-        print(f"{r['shape']:<11} {r['devices']:>3} {r['batch']:>5} {r['tokens_per_sec']:>9,.0f} {r['ms_per_step']:>8.1f} "
+        print(f"{r['shape']:<11} {r['devices']:>3} {r['batch']:>5} {r['tokens_per_sec']:>9,.0f} "
+              f"{r['ms_per_step']:>8.1f} "
               f"{r['mfu']:>6.1%} {r['peak_gflops']:>4.0f}GF {r['rss_gib']:>8.2f} {r['compile_s']:>9.1f} "
               f"{r['tokens_per_sec'] / nano:>9.2f}x  {'; '.join(verdicts)}")
     if args.recipe:

@@ -7,7 +7,8 @@ def print_table(header, rows):
     lines = [header, *rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for k, line in enumerate(lines):
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+        cells = zip(line, widths, strict=True)
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(cells)))
         if k == 0:
             print("  ".join("-" * w for w in widths))
 

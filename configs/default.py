@@ -3,7 +3,7 @@
 cores; it evaluates, saves checkpoints, plots its loss and ends by printing a sample.
 """
 
-from jaxgpt.training import default_config
+from jaxgpt.config import default_config
 
 
 def get_config():

@@ -9,7 +9,7 @@ Scale train.batch_size up and train.grad_accum down with the devices (their prod
 is the tokens per step); the mesh splits rows over data × fsdp and fsdp shards the weights.
 """
 
-from jaxgpt.training import default_config
+from jaxgpt.config import default_config
 
 
 def get_config():

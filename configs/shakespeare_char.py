@@ -3,7 +3,7 @@
     python train.py --config=configs/shakespeare_char.py --config.data.source=PATH/input.txt
 """
 
-from jaxgpt.training import default_config
+from jaxgpt.config import default_config
 
 
 def get_config():

@@ -5,7 +5,7 @@ a character-level GPT on Tiny Shakespeare, the last 10% of the text for validati
 (or --config.data.source=tfds:tiny_shakespeare)
 """
 
-from jaxgpt.training import default_config
+from jaxgpt.config import default_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -57,19 +57,19 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, step: int, state: dict, val_loss: Optional[float] = None) -> None:
+    def save(self, step: int, state: dict, val_loss: float | None = None) -> None:
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), metrics=metrics,
                           force=True)
 
-    def best_step(self) -> Optional[int]:
+    def best_step(self) -> int | None:
         """The step with the lowest validation loss; the latest step when none was evaluated."""
         scored = [(m["val_loss"], s) for s in self.steps() if (m := self.manager.metrics(s)) and "val_loss" in m]
         if scored:
             return min(scored)[1]
         return self.manager.latest_step()
 
-    def restore(self, abstract_state: Any, step: Optional[int] = None) -> tuple[Any, int]:
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, int]:
         """Restore onto `abstract_state` (ShapeDtypeStructs carrying the target shardings, so a
         checkpoint written on N devices restores on M). Without `step`, the newest intact one:
         a damaged checkpoint is skipped with a warning. Raises CheckpointError if none is usable."""
@@ -93,7 +93,7 @@ class Checkpoints:
                     self.manager.reload()
         raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates})")
 
-    def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> tuple[Any, int]:
+    def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
         """Only the params of a checkpoint (for sampling and evaluation), onto the shardings
         of `abstract_params`; by default from the best step."""
         step = self.best_step() if step is None else step
@@ -139,12 +139,15 @@ def _set_aside_unreadable_steps(directory: Path, error: Exception) -> bool:
     ones can be listed and restored."""
     moved = False
     for step_dir in sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()):
-        for meta in [p for p in step_dir.rglob("*") if p.is_file() and ("METADATA" in p.name or p.parent.name == "metrics")]:
+        metadata = [p for p in step_dir.rglob("*")
+                    if p.is_file() and ("METADATA" in p.name or p.parent.name == "metrics")]
+        for meta in metadata:
             try:
                 json.loads(meta.read_text() or "null")
             except (ValueError, UnicodeDecodeError):
                 target = _move_aside(step_dir)
-                log.warning("checkpoint at step %s is unreadable (%s); moved it to %s", step_dir.name, _brief(error), target)
+                log.warning("checkpoint at step %s is unreadable (%s); moved it to %s", step_dir.name, _brief(error),
+                            target)
                 moved = True
                 break
     return moved

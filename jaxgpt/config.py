@@ -1,12 +1,30 @@
-"""GPTConfig: the hyperparameters of the model, validated when made."""
+"""The one schema of a run: every key a run reads, its default and its check.
+
+    GPTConfig     the model's shape and choices (config.model)
+    DataConfig    where the text comes from and how it becomes tokens (config.data)
+    TrainConfig   the optimizer, schedule, batches, logging and checkpoints (config.train)
+    default_config()   the whole run as an ml_collections ConfigDict: the three above, plus
+                  sample, mesh, distributed, init_from, run_dir and resume
+
+Defaults live here and nowhere else: configs/*.py start from default_config(), the command
+line overrides any key, and each section is checked by its dataclass when a run reads it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import importlib.util
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from ml_collections import ConfigDict, config_dict
+
+from jaxgpt.errors import ConfigError, DataError
 
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 NORMS = ("layernorm", "rmsnorm")
@@ -14,6 +32,7 @@ NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu")
 ATTENTIONS = ("explicit", "blocked", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+RESUME = ("auto", "never", "must")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +45,7 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     d_model: int = 768
-    d_ff: Optional[int] = None  # hidden width of the FFN; None means 4·d_model
+    d_ff: int | None = None  # hidden width of the FFN; None means 4·d_model
     dropout: float = 0.0
     positions: str = "learned"
     norm: str = "layernorm"
@@ -105,7 +124,7 @@ class GPTConfig:
     def params_dtype(self):
         return jnp.dtype(self.param_dtype)
 
-    def replace(self, **changes) -> "GPTConfig":
+    def replace(self, **changes) -> GPTConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -113,12 +132,13 @@ class GPTConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "GPTConfig":
+    def from_dict(cls, values: dict) -> GPTConfig:
         """Build from a plain dict (e.g. a saved run's config); unknown keys are an error."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"GPTConfig has no field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
+            raise ValueError(f"GPTConfig has no field(s) {', '.join(unknown)}; valid fields: "
+                             f"{', '.join(sorted(known))}")
         return cls(**values)
 
 
@@ -127,3 +147,206 @@ def _has_gpu() -> bool:
         return any(device.platform == "gpu" for device in jax.devices())
     except RuntimeError:
         return False
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _from_mapping(cls, values: Mapping[str, Any], section: str):
+    """An instance of the dataclass `cls` from a config section; keys the section leaves out
+    take the dataclass's defaults, keys it does not know are an error."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{section} has no key(s) {', '.join(unknown)}; its keys: {', '.join(sorted(known))}")
+    return cls(**dict(values))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The data section (jaxgpt.data reads it).
+
+    source: 'stdlib' | a file, directory or glob | 'tfds:NAME[:SPLIT]'.
+    val_source: None (hold out part of `source`) or a second source for validation, e.g.
+      'tfds:NAME:validation'; `val_fraction` is then unused.
+    text_field: the field of each `.jsonl` line that holds the text.
+    tfds_text_feature: the feature of a TFDS example that holds the text.
+    tfds_data_dir: where TFDS datasets are prepared; None = TFDS's default
+      (~/tensorflow_datasets, or $TFDS_DATA_DIR).
+    tokenizer: 'char' | 'word' | 'bpe' (train a new one on the train split) or the path of a
+      tokenizer file written by `Tokenizer.save`.
+    vocab_size: ids of a new tokenizer, special ones included; None = every character or
+      word seen (char, word). BPE needs one.
+    val_fraction: in [0, 1): the fraction of documents held out for validation, or of the
+      text when the corpus is a single document (its tail).
+    max_documents, max_bytes: read at most this many documents / UTF-8 bytes of each source,
+      in order (the document that crosses the byte cap is cut); None = all.
+    cache_dir: where token files are cached; None = $XDG_CACHE_HOME/jaxgpt/data or
+      ~/.cache/jaxgpt/data. Deleting it only costs a rebuild.
+    eval_stride: the step between evaluation windows (1..block_size); None = block_size.
+    """
+
+    source: str = "stdlib"
+    val_source: str | None = None
+    text_field: str = "text"
+    tfds_text_feature: str = "text"
+    tfds_data_dir: str | None = None
+    tokenizer: str = "char"
+    vocab_size: int | None = None
+    val_fraction: float = 0.1
+    max_documents: int | None = None
+    max_bytes: int | None = None
+    cache_dir: str | None = None
+    eval_stride: int | None = None
+
+    def __post_init__(self):
+        for key in ("source", "text_field", "tfds_text_feature", "tokenizer"):
+            _check_data(isinstance(getattr(self, key), str) and getattr(self, key), key, getattr(self, key),
+                        "a non-empty string")
+        for key in ("val_source", "tfds_data_dir", "cache_dir"):
+            value = getattr(self, key)
+            _check_data(value is None or (isinstance(value, str) and value), key, value, "None or a non-empty string")
+        for key in ("vocab_size", "max_documents", "max_bytes", "eval_stride"):
+            value = getattr(self, key)
+            _check_data(value is None or (_is_int(value) and value > 0), key, value, "None or a positive integer")
+        fraction = self.val_fraction
+        _check_data(_is_number(fraction) and 0 <= fraction < 1, "val_fraction", fraction, "a number in [0, 1)")
+        if self.tokenizer == "bpe" and self.vocab_size is None:
+            raise DataError("data.tokenizer='bpe' needs data.vocab_size (e.g. 4096; at least 259: 256 bytes + 3 "
+                            "special tokens)")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> DataConfig:
+        return _from_mapping(cls, values, "data")
+
+    @property
+    def cache_path(self) -> Path:
+        """The cache directory, with its default resolved."""
+        default = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxgpt", "data")
+        return Path(self.cache_dir or default).expanduser()
+
+
+def _check_data(ok: Any, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise DataError(f"data.{key}={value!r}: must be {expected}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The train section: AdamW on a warmup-cosine schedule, batches, evaluation, logging and
+    checkpoints (jaxgpt.optim and jaxgpt.run read it)."""
+
+    seed: int = 0
+    steps: int = 2000
+    batch_size: int = 12  # rows per micro-batch, over all devices
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    decay_steps: int | None = None  # None: the run's steps
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = True
+    clip: float = 1.0  # global-norm clipping threshold; 0: none
+    eval_every: int = 250
+    eval_batch_size: int = 32
+    eval_max_batches: int | None = None  # None: the whole validation split
+    log_every: int = 10
+    ckpt_every: int = 250
+    keep_checkpoints: int = 3
+    # True: training goes on while a checkpoint is written (a kill -9 during the write loses up
+    # to 2·ckpt_every steps); False: each save finishes first (at most ckpt_every)
+    async_checkpoints: bool = True
+    peak_flops: float | None = None  # per device (a CPU: per host); None: measured on a CPU
+
+    def __post_init__(self):
+        positive = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
+                    "keep_checkpoints")
+        for key in positive:
+            _check_train(self, _is_int(getattr(self, key)) and getattr(self, key) > 0, key, "a positive integer")
+        for key in ("seed", "warmup_steps"):
+            _check_train(self, _is_int(getattr(self, key)) and getattr(self, key) >= 0, key, "an integer ≥ 0")
+        for key in ("decay_steps", "eval_max_batches"):
+            value = getattr(self, key)
+            _check_train(self, value is None or (_is_int(value) and value > 0), key, "None or a positive integer")
+        for key in ("lr", "min_lr", "weight_decay", "clip", "eps"):
+            _check_train(self, _is_number(getattr(self, key)) and getattr(self, key) >= 0, key, "a number ≥ 0")
+        for key in ("b1", "b2"):
+            value = getattr(self, key)
+            _check_train(self, _is_number(value) and 0 <= value < 1, key, "a number in [0, 1)")
+        for key in ("decay_embeddings", "async_checkpoints"):
+            _check_train(self, isinstance(getattr(self, key), bool), key, "True or False")
+        peak = self.peak_flops
+        _check_train(self, peak is None or (_is_number(peak) and peak > 0), "peak_flops", "None or a positive number")
+        if self.schedule_steps <= self.warmup_steps:
+            raise ConfigError(f"train.decay_steps={self.schedule_steps} must exceed train.warmup_steps="
+                              f"{self.warmup_steps}: the cosine needs at least one step after the warmup")
+
+    @property
+    def schedule_steps(self) -> int:
+        """The step at which the cosine reaches min_lr: decay_steps, else the run's steps."""
+        return self.decay_steps or self.steps
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> TrainConfig:
+        return _from_mapping(cls, values, "train")
+
+
+def _check_train(config: TrainConfig, ok: bool, key: str, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"train.{key}={getattr(config, key)!r}: must be {expected}")
+
+
+def _section(cls, **overrides: Any) -> dict[str, Any]:
+    """A config section from a dataclass's fields: their defaults, and for a field whose
+    default is None a typed ml_collections placeholder, so an override is type-checked."""
+    hints = typing.get_type_hints(cls)
+    section = {}
+    for field in dataclasses.fields(cls):
+        value = field.default
+        if value is None:
+            kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
+            value = config_dict.placeholder(kinds[0])
+        section[field.name] = value
+    section.update(overrides)
+    return section
+
+
+def default_config() -> ConfigDict:
+    """Every key a run reads, with its default; configs/*.py start from this and change what
+    their preset needs, and the command line overrides any of it."""
+    return ConfigDict({
+        # vocab_size 0: the tokenizer's vocabulary size
+        "model": _section(GPTConfig, vocab_size=0),
+        "data": _section(DataConfig),
+        "train": _section(TrainConfig),
+        "sample": {"prompt": "\n", "max_new_tokens": 200, "temperature": 0.8, "top_k": 40},
+        # cpu_devices: on a CPU, one JAX device per core (-1: as many as divide the batches; 0: one)
+        "mesh": {"data": -1, "fsdp": 1, "tensor": 1, "cpu_devices": -1},
+        "distributed": {
+            "coordinator_address": config_dict.placeholder(str),
+            "num_processes": config_dict.placeholder(int),
+            "process_id": config_dict.placeholder(int),
+            "auto": False,  # let jax.distributed detect a cluster (SLURM, TPU pods)
+            "cpu_collectives": "gloo",  # collectives between CPU processes
+        },
+        "init_from": config_dict.placeholder(str),  # 'hf:PATH': start from a GPT-2 checkpoint (jaxgpt.convert)
+        "run_dir": config_dict.placeholder(str),  # None: runs/<config file name>
+        "resume": "auto",  # auto | never | must
+    })
+
+
+def load_config(path: str | os.PathLike) -> ConfigDict:
+    """get_config() of a configs/*.py file (what train.py's --config loads, without overrides)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()

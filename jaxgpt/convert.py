@@ -41,14 +41,14 @@ dtype, and written as float32.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,7 @@ from safetensors.numpy import save_file
 
 from jaxgpt import tokenizers
 from jaxgpt.config import GPTConfig
+from jaxgpt.files import write_atomically
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -188,7 +189,7 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> GPTConfi
         raise ValueError(f"{source} does not describe a valid GPT-2: {err}") from None
 
 
-def config_to_hf(cfg: GPTConfig, tokenizer: Optional[tokenizers.Tokenizer] = None) -> dict[str, Any]:
+def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) -> dict[str, Any]:
     """The config.json of the GPT-2 that is `cfg`; ValueError for what GPT-2 cannot express.
     bos/eos ids come from `tokenizer` (none without one)."""
     refusals = [
@@ -279,7 +280,7 @@ def _read_tensor(handles: dict, names: dict, entry: _Tensor, cfg: GPTConfig, dir
     return np.asarray(handles[file].get_tensor(stored_name), np.float32)
 
 
-def load_hf_tokenizer(path: str | os.PathLike) -> Optional[tokenizers.BPETokenizer]:
+def load_hf_tokenizer(path: str | os.PathLike) -> tokenizers.BPETokenizer | None:
     """The byte-level BPE of vocab.json + merges.txt in `path`; None when it has neither."""
     directory = _checkpoint_dir(path)
     vocab, merges = directory / VOCAB_FILE, directory / MERGES_FILE
@@ -375,7 +376,7 @@ def check_gpt2_tokenizer(tokenizer: tokenizers.Tokenizer, cfg: GPTConfig) -> Non
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size}")
 
 
-def save_hf_gpt2(path: str | os.PathLike, cfg: GPTConfig, params, tokenizer: Optional[tokenizers.Tokenizer] = None
+def save_hf_gpt2(path: str | os.PathLike, cfg: GPTConfig, params, tokenizer: tokenizers.Tokenizer | None = None
                  ) -> None:
     """Write the model as a Hugging Face GPT-2 directory: config.json and model.safetensors
     (float32), and with `tokenizer` its vocab.json + merges.txt. ValueError, before anything
@@ -398,22 +399,11 @@ def save_hf_gpt2(path: str | os.PathLike, cfg: GPTConfig, params, tokenizer: Opt
     directory = Path(path).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     # transformers refuses safetensors files whose metadata does not name their format.
-    _write_atomically(directory / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    _write_atomically(directory / CONFIG_FILE,
+    write_atomically(directory / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_atomically(directory / CONFIG_FILE,
                       lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8"))
     if tokenizer is not None:
         tokenizer.save_gpt2(directory)
-
-
-def _write_atomically(path: Path, write: Callable[[str], None]) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 # --- starting a run from a checkpoint ------------------------------------------------------
@@ -426,14 +416,16 @@ def init_from_path(spec: str) -> Path:
     return Path(spec[len(INIT_FROM_SCHEME):]).expanduser()
 
 
-def resolve_init_from(config) -> None:
-    """Make a training config start from its init_from checkpoint ('hf:PATH'), in place.
+def resolve_init_from(config) -> tuple[Any, tokenizers.Tokenizer | None]:
+    """A training config made to start from its init_from checkpoint ('hf:PATH'), and the
+    tokenizer to make its tokens with (None: the one data.tokenizer names). The caller's
+    config is left as it was.
 
     The checkpoint fixes the architecture: every config.model field but RUN_FIELDS
     (block_size, at most the checkpoint's n_positions; dropout; dtypes; attention) is
     replaced by the checkpoint's. A data.tokenizer that names a kind to train (char, word,
-    bpe) becomes the checkpoint's tokenizer, written to run_dir/tokenizer.json; a tokenizer
-    file given by path is kept (its ids must be the checkpoint's)."""
+    bpe) gives way to the checkpoint's tokenizer; a tokenizer file given by path is kept (its
+    ids must be the checkpoint's)."""
     directory = init_from_path(config.init_from)
     checkpoint_cfg = config_from_hf(_read_json(_checkpoint_dir(directory) / CONFIG_FILE, "config"),
                                     str(directory / CONFIG_FILE))
@@ -441,18 +433,17 @@ def resolve_init_from(config) -> None:
     if block_size > checkpoint_cfg.block_size:
         raise ValueError(f"model.block_size={block_size} is longer than the context of {directory} "
                          f"(n_positions={checkpoint_cfg.block_size}): choose at most {checkpoint_cfg.block_size}")
+    config = copy.deepcopy(config)
     for name, value in checkpoint_cfg.to_dict().items():
         if name not in RUN_FIELDS:
             config.model[name] = value
-    if config.data.tokenizer in tokenizers.KINDS:
-        tokenizer = load_hf_tokenizer(directory)
-        if tokenizer is None:
-            raise ValueError(f"{directory} has no {VOCAB_FILE} + {MERGES_FILE}: set data.tokenizer to the path of "
-                             "the tokenizer file whose ids this checkpoint uses")
-        path = Path(config.run_dir) / "tokenizer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(path)
-        config.data.tokenizer = str(path)
+    if config.data.tokenizer not in tokenizers.KINDS:
+        return config, None
+    tokenizer = load_hf_tokenizer(directory)
+    if tokenizer is None:
+        raise ValueError(f"{directory} has no {VOCAB_FILE} + {MERGES_FILE}: set data.tokenizer to the path of "
+                         "the tokenizer file whose ids this checkpoint uses")
+    return config, tokenizer
 
 
 def init_params_from(spec: str, cfg: GPTConfig, shardings=None) -> dict:

@@ -20,3 +20,7 @@ def one_line(error: BaseException, limit: int = 200) -> str:
     type's name when it has no message."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0][:limit] if lines else type(error).__name__
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (non-finite loss, incompatible resume, bad settings)."""

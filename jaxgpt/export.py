@@ -16,8 +16,9 @@ import sys
 
 from absl import logging as absl_logging
 
-from jaxgpt import convert, sampling
+from jaxgpt import convert
 from jaxgpt.checkpoint import CheckpointError
+from jaxgpt.run import load_run
 
 
 def parse_args(argv):
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     try:
-        params, config, tokenizer = sampling.load_run(args.run_dir, step=args.step)
+        params, config, tokenizer = load_run(args.run_dir, step=args.step)
         try:
             convert.check_gpt2_tokenizer(tokenizer, config)
             tokenizer_note = None

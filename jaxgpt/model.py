@@ -12,7 +12,6 @@ Generation passes an explicit `KVCache` in and gets the updated one back.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import flax.linen as nn
 import flax.struct
@@ -57,7 +56,7 @@ class KVCache:
         return self.keys[0].shape[1]
 
 
-def init_cache(cfg: GPTConfig, batch_size: int, max_length: Optional[int] = None, dtype=None) -> KVCache:
+def init_cache(cfg: GPTConfig, batch_size: int, max_length: int | None = None, dtype=None) -> KVCache:
     """An empty cache for `batch_size` rows of up to `max_length` (default block_size) positions."""
     max_length = cfg.block_size if max_length is None else max_length
     if not 0 < max_length <= cfg.block_size:
@@ -249,7 +248,7 @@ class GPT(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens, cache: Optional[KVCache] = None, *, deterministic: bool = True):
+    def __call__(self, tokens, cache: KVCache | None = None, *, deterministic: bool = True):
         cfg = self.cfg
         deterministic = deterministic or not self.has_rng("dropout")
         T = tokens.shape[-1]

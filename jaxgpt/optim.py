@@ -11,23 +11,18 @@ from __future__ import annotations
 import jax
 import optax
 
+from jaxgpt.config import TrainConfig
 
-def learning_rate_schedule(train_cfg) -> optax.Schedule:
+
+def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
     """Linear warmup from lr/(w+1) to lr over `warmup_steps`, then cosine decay to `min_lr`
     at `decay_steps` (default: the run's `steps`), constant after."""
-    warmup = int(train_cfg.warmup_steps)
-    decay_steps = int(train_cfg.get("decay_steps") or train_cfg.steps)
-    if decay_steps <= warmup:
-        raise ValueError(
-            f"train.decay_steps={decay_steps} must exceed train.warmup_steps={warmup}: "
-            "the cosine needs at least one step after the warmup"
-        )
     return optax.warmup_cosine_decay_schedule(
-        init_value=train_cfg.lr / (warmup + 1),
-        peak_value=train_cfg.lr,
-        warmup_steps=warmup,
-        decay_steps=decay_steps,
-        end_value=train_cfg.min_lr,
+        init_value=train.lr / (train.warmup_steps + 1),
+        peak_value=train.lr,
+        warmup_steps=train.warmup_steps,
+        decay_steps=train.schedule_steps,
+        end_value=train.min_lr,
     )
 
 
@@ -41,18 +36,17 @@ def weight_decay_mask(params, decay_embeddings: bool = True):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     """clip_by_global_norm(clip) followed by AdamW on the warmup-cosine schedule."""
-    decay_embeddings = bool(train_cfg.get("decay_embeddings", True))
-    steps = [optax.clip_by_global_norm(train_cfg.clip)] if train_cfg.clip else []
+    steps = [optax.clip_by_global_norm(train.clip)] if train.clip else []
     steps.append(
         optax.adamw(
-            learning_rate_schedule(train_cfg),
-            b1=train_cfg.b1,
-            b2=train_cfg.b2,
-            eps=train_cfg.get("eps", 1e-8),
-            weight_decay=train_cfg.weight_decay,
-            mask=lambda params: weight_decay_mask(params, decay_embeddings),
+            learning_rate_schedule(train),
+            b1=train.b1,
+            b2=train.b2,
+            eps=train.eps,
+            weight_decay=train.weight_decay,
+            mask=lambda params: weight_decay_mask(params, train.decay_embeddings),
         )
     )
     return optax.chain(*steps)

@@ -1,21 +1,136 @@
-"""A training run: its directory, resume policy and loop (being restructured)."""
+"""A training run: its directory, the resume policy and the loop.
+
+    python train.py  →  run.train(config):
+        open_run      the run directory, resume or not, the data, the model config, the mesh
+        init or restore the train state (a checkpoint, a GPT-2 checkpoint, or fresh)
+        for each step: train, log, evaluate, save          (stops cleanly on SIGINT/SIGTERM)
+        finish        the last checkpoint stands; say how to resume if stopped
+
+A run directory holds everything about one run: config.json (the resolved config),
+tokenizer.json, checkpoints/, metrics.jsonl, and what the CLIs add (loss.png, sample.txt).
+It alone is enough to resume (train.py with the same --config.run_dir) or to sample
+(`load_run`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import signal
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from ml_collections import ConfigDict
 
-from jaxgpt import tokenizers
+from jaxgpt import convert, data, metrics, sharding, tokenizers
 from jaxgpt.checkpoint import Checkpoints
-from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT
+from jaxgpt.config import RESUME, GPTConfig, TrainConfig
+from jaxgpt.errors import ConfigError, TrainingError
+from jaxgpt.evaluation import evaluate_tokens
+from jaxgpt.files import write_json
+from jaxgpt.model import GPT, flops_per_token
+from jaxgpt.optim import learning_rate_schedule, make_optimizer
+from jaxgpt.training import TrainState, make_train_step, sharded_init
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+__all__ = ["TrainingError", "load_run", "model_config", "open_run", "train"]
 
 
-def load_run(run_dir, step: Optional[int] = None):
+# --- the run directory ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    """What a run works with once its directory is open."""
+
+    config: ConfigDict  # as resolved: the model section holds the model's config
+    train: TrainConfig
+    model: GPTConfig
+    directory: Path
+    corpus: data.Corpus
+    checkpoints: Checkpoints
+    resuming: bool
+    mesh: Mesh
+
+    @property
+    def lead(self) -> bool:
+        """The process that writes the run directory's files."""
+        return jax.process_index() == 0
+
+
+def model_config(config, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of a run: the config's model section, the vocabulary from the tokenizer."""
+    values = dict(config.model)
+    if not values["vocab_size"]:
+        values["vocab_size"] = vocab_size
+    elif values["vocab_size"] < vocab_size:
+        raise ValueError(f"model.vocab_size={values['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+    return GPTConfig.from_dict(values)
+
+
+def resume_policy(resume: str, checkpoints: Checkpoints) -> bool:
+    """Whether to resume: resume='auto' when the directory holds a checkpoint; 'must' and
+    'never' insist on one or on none."""
+    if resume not in RESUME:
+        raise ConfigError(f"resume={resume!r}: must be {', '.join(RESUME)}")
+    steps = checkpoints.steps()
+    if resume == "must" and not steps:
+        raise TrainingError(f"resume='must' but {checkpoints.directory.parent} has no checkpoint to resume from")
+    if resume == "never" and steps:
+        raise TrainingError(f"resume='never' but {checkpoints.directory.parent} already holds checkpoints (steps "
+                            f"{steps}): choose another --config.run_dir or remove that directory")
+    return bool(steps)
+
+
+def open_run(config) -> Run:
+    """Open (or start) the run directory of `config`: decide whether to resume, prepare the
+    data, fix the model config, write config.json and tokenizer.json, and make the mesh."""
+    train_cfg = TrainConfig.from_mapping(config.train)
+    directory = Path(config.run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoints = Checkpoints(directory, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpoints)
+    resuming = resume_policy(config.resume, checkpoints)
+    tokenizer = None
+    if config.init_from:  # the checkpoint fixes the architecture and the tokenizer
+        config, tokenizer = convert.resolve_init_from(config)
+    corpus = data.prepare(config.data, tokenizer=tokenizer)
+    if len(corpus.val) < 2:
+        raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
+                         "or give data.val_source")
+    cfg = model_config(config, corpus.tokenizer.vocab_size)
+    saved_path = directory / CONFIG_FILE
+    if resuming and saved_path.exists():
+        saved_model = json.loads(saved_path.read_text()).get("model")
+        if saved_model != cfg.to_dict():
+            raise TrainingError(f"{directory} holds a run of another model ({saved_model}); resume it with its own "
+                                "config or choose another --config.run_dir")
+    resolved = config.to_dict()
+    resolved["model"] = cfg.to_dict()
+    if jax.process_index() == 0:
+        write_json(saved_path, resolved)
+        corpus.tokenizer.save(directory / TOKENIZER_FILE)
+    mesh = sharding.make_mesh(config.mesh)
+    _check_batch_sizes(train_cfg, mesh)
+    return Run(ConfigDict(resolved), train_cfg, cfg, directory, corpus, checkpoints, resuming, mesh)
+
+
+def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
+    divisor = sharding.batch_size_divisor(mesh)
+    for name in ("batch_size", "eval_batch_size"):
+        if getattr(train_cfg, name) % divisor:
+            on_cpu = " (on a CPU, --config.mesh.cpu_devices sets the number of devices)"
+            raise ValueError(f"train.{name}={getattr(train_cfg, name)} must be divisible by the mesh's data×fsdp "
+                             f"size {divisor}" + (on_cpu if jax.default_backend() == "cpu" else ""))
+
+
+def load_run(run_dir, step: int | None = None):
     """(params, config, tokenizer) of a training run: config.json, tokenizer.json and the
     params of the best checkpoint by validation loss (the latest if none was evaluated), or
     of `step`. Raises ValueError for a missing or malformed run directory and
@@ -23,7 +138,7 @@ def load_run(run_dir, step: Optional[int] = None):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the directory a training run wrote")
-    config_path, tokenizer_path = run_dir / "config.json", run_dir / "tokenizer.json"
+    config_path, tokenizer_path = run_dir / CONFIG_FILE, run_dir / TOKENIZER_FILE
     for path in (config_path, tokenizer_path):
         if not path.is_file():
             raise ValueError(f"{run_dir} has no {path.name}, so it is not a complete run directory")
@@ -42,3 +157,154 @@ def load_run(run_dir, step: Optional[int] = None):
     finally:
         checkpoints.close()
     return params, config, tokenizer
+
+
+# --- the state ------------------------------------------------------------------------------
+
+
+def init_or_restore(run: Run, optimizer, key) -> tuple[TrainState, TrainState, int]:
+    """(state, its shardings, the step to start at): restored from the newest intact
+    checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from)."""
+    state, shardings = sharded_init(run.model, optimizer, key, run.mesh)
+    if run.resuming:
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                state.to_dict(), shardings.to_dict())
+        restored, step = run.checkpoints.restore(abstract)
+        return TrainState.from_dict(restored), shardings, step
+    if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
+        state = state.replace(params=convert.init_params_from(run.config.init_from, run.model, shardings.params))
+    return state, shardings, 0
+
+
+def compile_train_step(run: Run, optimizer, shardings: TrainState):
+    batches = sharding.batch_sharding(run.mesh)
+    step = make_train_step(run.model, optimizer, learning_rate_schedule(run.train), run.train.grad_accum)
+    return jax.jit(step, in_shardings=(shardings, (batches, batches), None), out_shardings=(shardings, None),
+                   donate_argnums=0)
+
+
+def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
+    """The training batches from start_step on, made ahead and laid out on the mesh."""
+    rows = run.train.grad_accum * run.train.batch_size
+
+    def make_batch(step: int, part: slice):
+        return data.train_batch(run.corpus.train, seed=run.train.seed, step=step, batch_size=rows,
+                                block_size=run.model.block_size, rows=part)
+
+    return data.DeviceBatches(make_batch, start_step=start_step, end_step=run.train.steps, batch_size=rows,
+                              sharding=sharding.batch_sharding(run.mesh))
+
+
+def evaluate(run: Run, params) -> dict:
+    """Validation loss, perplexity and bits per byte (train.eval_max_batches batches at most)."""
+    return evaluate_tokens(run.model, params, run.corpus.val, run.corpus.bytes_per_token["val"],
+                           batch_size=run.train.eval_batch_size, stride=run.config.data.eval_stride,
+                           max_batches=run.train.eval_max_batches, batch_sharding=sharding.batch_sharding(run.mesh))
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+
+class StopRequested:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step, so the run saves a
+    checkpoint and exits cleanly instead of dying mid-step. A second signal stops at once."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def train(config) -> dict:
+    """Run training as the config says (jaxgpt.config.default_config() lists every key);
+    returns the final metrics, the step reached and what stopped it early, if anything.
+    Call sharding.start_jax(config) first for one CPU device per core or several hosts."""
+    run = open_run(config)
+    tc = run.train
+    optimizer = make_optimizer(tc)
+    key = jax.random.key(tc.seed)
+    state, shardings, start_step = init_or_restore(run, optimizer, key)
+    train_step = compile_train_step(run, optimizer, shardings)
+    tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
+    meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
+        tc.peak_flops))
+    log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
+    log.message(_announcement(run, start_step, tokens_per_step, meter.peak))
+    step, last_val, interrupted = start_step, None, None
+    with train_batches(run, start_step) as batches, StopRequested() as stop:
+        try:
+            for _, batch in batches:
+                state, step_metrics = train_step(state, batch, jax.random.fold_in(key, step))
+                step += 1
+                meter.add(step, step_metrics)
+                stopping = stop.signal_name  # read once: a signal arriving later is seen next step
+                do_eval = step == tc.steps or step % tc.eval_every == 0
+                do_save = do_eval or step % tc.ckpt_every == 0 or stopping
+                if do_save or step % tc.log_every == 0:
+                    _check_finite(meter.fetch(), run)
+                    record = meter.record(step)
+                    if do_eval:
+                        last_val = evaluate(run, state.params)
+                        record.update(last_val)
+                        log.message(_evaluation_line(step, record))
+                    log.write(record)
+                    if do_save:
+                        run.checkpoints.save(step, state.to_dict(), val_loss=last_val["val_loss"] if do_eval else None)
+                    log.progress(meter.restart_clock(), record)  # evaluation and saving are not training time
+                if stopping:
+                    interrupted = stopping
+                    break
+        except KeyboardInterrupt:  # a second signal: stop at once, the last checkpoint stands
+            interrupted = "a second signal"
+        finally:
+            run.checkpoints.close()
+            log.close()
+    if interrupted and run.lead:
+        print(_stopped_line(run, interrupted, step), file=sys.stderr)
+    return {"step": step, "train_loss": meter.last["loss"], "interrupted": interrupted,
+            "run_dir": str(run.directory), **(last_val or {})}
+
+
+def _check_finite(fetched: list[tuple[int, dict]], run: Run) -> None:
+    """Stop on the first non-finite loss or gradient norm, naming the step and the last good
+    checkpoint."""
+    for step, values in fetched:
+        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+            good = run.checkpoints.steps()
+            raise TrainingError(
+                f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) at step {step}: "
+                f"stopping. The last good checkpoint is {'step ' + str(good[-1]) if good else 'none'} in "
+                f"{run.directory}; lower train.lr or raise train.warmup_steps and resume")
+
+
+def _announcement(run: Run, start_step: int, tokens_per_step: int, peak: float | None) -> str:
+    cfg = run.model
+    mfu = f"MFU against a peak of {peak / 1e9:.0f} GFLOP/s" if peak else "MFU not reported (set train.peak_flops)"
+    return (f"jaxgpt: {cfg.n_layer} layers, d_model {cfg.d_model}, {jax.device_count()} {jax.default_backend()} "
+            f"device(s), mesh {dict(run.mesh.shape)}, {tokens_per_step} tokens/step, "
+            f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}; {mfu}")
+
+
+def _evaluation_line(step: int, record: dict[str, Any]) -> str:
+    return (f"step {step}: train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}, "
+            f"val ppl {record['val_ppl']:.2f}, val bpb {record['val_bpb']:.3f}")
+
+
+def _stopped_line(run: Run, interrupted: str, step: int) -> str:
+    saved = Checkpoints(run.directory, read_only=True).steps()
+    return (f"stopped by {interrupted} at step {step}; the last checkpoint is step {saved[-1] if saved else 'none'} "
+            f"in {run.directory}. Run the same command again to resume.")

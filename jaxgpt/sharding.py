@@ -13,7 +13,8 @@ import os
 import re
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -38,17 +39,21 @@ def make_mesh(mesh_cfg) -> Mesh:
     sizes = [int(mesh_cfg[axis]) for axis in AXES]
     n = jax.device_count()
     if sizes.count(-1) > 1:
-        raise ValueError(f"mesh {dict(zip(AXES, sizes))}: at most one axis may be -1 (all remaining devices)")
+        raise ValueError(f"mesh {_named(sizes)}: at most one axis may be -1 (all remaining devices)")
     known = math.prod(s for s in sizes if s != -1)
     if any(s == 0 or s < -1 for s in sizes) or n % known:
         raise ValueError(
-            f"mesh {dict(zip(AXES, sizes))} does not fit {n} devices: the sizes must be positive "
+            f"mesh {_named(sizes)} does not fit {n} devices: the sizes must be positive "
             f"(or -1) and their product must divide {n}"
         )
     sizes = [n // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != n:
-        raise ValueError(f"mesh {dict(zip(AXES, sizes))} uses {math.prod(sizes)} of {n} devices: make the product {n}")
+        raise ValueError(f"mesh {_named(sizes)} uses {math.prod(sizes)} of {n} devices: make the product {n}")
     return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def _named(sizes) -> dict[str, int]:
+    return dict(zip(AXES, sizes, strict=True))
 
 
 def _path_string(path) -> str:
@@ -58,7 +63,7 @@ def _path_string(path) -> str:
 def fit_spec(spec: P, shape, mesh: Mesh) -> P:
     """Drop the mesh axes that do not divide their dimension (e.g. a vocabulary of 65 over 2)."""
     dims = []
-    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
         size = 1 if axis is None else math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
         dims.append(axis if size > 1 and dim % size == 0 else None)
     return P(*dims)
@@ -114,7 +119,7 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
     or jax_num_cpu_devices). Takes effect only before JAX's first operation: returns the
     count set, or 0 when it left JAX as it was. Accelerators are unaffected.
     """
-    requested = wanted = int(mesh_cfg.get("cpu_devices", -1))
+    requested = wanted = int(mesh_cfg["cpu_devices"])
     if wanted < -1:
         raise ValueError(f"mesh.cpu_devices={wanted}: use a device count, 0 (JAX's one device) or -1 (one per core)")
     if wanted == 0:
@@ -122,7 +127,7 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
     if wanted == -1:
         chosen_elsewhere = (jax.config.jax_num_cpu_devices != -1
                             or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""))
-        plain_data_parallel = all(int(mesh_cfg.get(a, 1)) in (-1, 1) for a in ("fsdp", "tensor"))
+        plain_data_parallel = all(int(mesh_cfg[a]) in (-1, 1) for a in ("fsdp", "tensor"))
         if chosen_elsewhere or not plain_data_parallel:
             return 0
         wanted = auto_cpu_devices(available_cores(), batch_sizes, processes)
@@ -138,31 +143,38 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
     return wanted
 
 
-def maybe_initialize_distributed(dist_cfg=None) -> None:
+def start_jax(config) -> None:
+    """Set JAX up for a run, once, before its first operation: one CPU device per core
+    (mesh.cpu_devices, see use_cpu_cores) and multi-host JAX (distributed.*, see
+    initialize_distributed). train.py calls this; a library caller that wants either calls
+    it before touching JAX. Nothing else in jaxgpt changes JAX's global settings."""
+    dist = config.distributed
+    processes = int(dist.num_processes or os.environ.get("JAX_NUM_PROCESSES") or 1)
+    use_cpu_cores(config.mesh, [config.train.batch_size, config.train.eval_batch_size], processes)
+    initialize_distributed(dist)
+
+
+def initialize_distributed(dist_cfg) -> None:
     """Start multi-host JAX when the config or the environment names a coordinator.
 
-    Config keys (all optional): coordinator_address, num_processes, process_id. The usual
-    environment variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) work
-    too, as do the cluster environments jax.distributed detects itself (SLURM, TPU pods)
-    when `dist_cfg.auto` is true.
+    dist_cfg is config.distributed: coordinator_address, num_processes, process_id (None:
+    from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), auto (let
+    jax.distributed detect a cluster: SLURM, TPU pods) and cpu_collectives (between CPU
+    processes; GPUs and TPUs use their own).
     """
-    dist_cfg = dist_cfg or {}
-    address = dist_cfg.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not address and not dist_cfg.get("auto"):
+    address = dist_cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address and not dist_cfg.auto:
         return
     kwargs = {}
     if address:
         kwargs["coordinator_address"] = address
-        num = dist_cfg.get("num_processes") or os.environ.get("JAX_NUM_PROCESSES")
-        pid = dist_cfg.get("process_id")
-        pid = os.environ.get("JAX_PROCESS_ID") if pid is None else pid
+        num = dist_cfg.num_processes or os.environ.get("JAX_NUM_PROCESSES")
+        pid = os.environ.get("JAX_PROCESS_ID") if dist_cfg.process_id is None else dist_cfg.process_id
         if num is None or pid is None:
             raise ValueError(
                 f"distributed.coordinator_address={address!r} needs num_processes and process_id "
                 "(config keys or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
             )
         kwargs.update(num_processes=int(num), process_id=int(pid))
-    # Collectives between CPU processes (tests, CPU clusters); GPUs and TPUs use their own.
-    jax.config.update("jax_cpu_collectives_implementation", dist_cfg.get("cpu_collectives") or "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", dist_cfg.cpu_collectives)
     jax.distributed.initialize(**kwargs)
-

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 from pathlib import Path
@@ -32,10 +31,12 @@ from absl import logging as absl_logging
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from jaxgpt import sampling
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.config import GPTConfig
+from jaxgpt.metrics import current_records, read_metrics
 from jaxgpt.model import GPT
+from jaxgpt.run import load_run
+from jaxgpt.text import encode_prompt
 
 DPI = 100
 WIDTH = 9.0  # inches: 900 px at DPI
@@ -43,24 +44,6 @@ MAX_TICK_LABELS = 40  # more token labels than this on an axis and only every n-
 
 
 # --- loss curves -------------------------------------------------------------------------------
-
-
-def read_metrics(run_dir) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def current_records(records: list[dict]) -> list[dict]:
-    """The records of the run as it finally went: a resumed run logs again from its last
-    checkpoint, so a record at step s replaces every earlier record at a step ≥ s."""
-    kept: list[dict] = []
-    for record in records:
-        while kept and kept[-1]["step"] >= record["step"]:
-            kept.pop()
-        kept.append(record)
-    return kept
 
 
 def loss_curves(records: list[dict]) -> dict[str, list[tuple[int, int, float]]]:
@@ -82,7 +65,7 @@ def plot_loss(run_dir, out=None) -> Path:
     styles = {"train": dict(linewidth=1.2), "validation": dict(marker="o", markersize=3, linewidth=1.2)}
     for name, points in curves.items():
         if points:
-            steps, tokens, losses = zip(*points)
+            steps, tokens, losses = zip(*points, strict=True)
             by_step.plot(steps, losses, label=name, **styles[name])
             by_tokens.plot(tokens, losses, label=name, **styles[name])
     by_step.set_xlabel("step")
@@ -190,7 +173,7 @@ def plot_next_token(labels: list[str], probs, out, title: str = "") -> Path:
     ax.barh(positions, probs, color="tab:blue")
     ax.set_yticks(positions, labels, parse_math=False)
     ax.invert_yaxis()
-    for y, p in zip(positions, probs):
+    for y, p in zip(positions, probs, strict=True):
         ax.text(p, y, f" {p:.1%}", va="center", fontsize=8)
     ax.set_xlim(0, min(1.0, 1.15 * float(probs.max())))
     ax.set_xlabel("probability of the next token")
@@ -251,8 +234,8 @@ def run(args) -> Path:
         if not read_metrics(run_dir):
             raise ValueError(f"{run_dir} has no metrics.jsonl records yet: nothing to plot")
         return plot_loss(run_dir, args.out)
-    params, cfg, tokenizer = sampling.load_run(run_dir)
-    ids = sampling.encode_prompt(tokenizer, args.prompt)
+    params, cfg, tokenizer = load_run(run_dir)
+    ids = encode_prompt(tokenizer, args.prompt)
     if args.command == "attention":
         return draw_attention(params, cfg, tokenizer, ids, args.out or run_dir / "attention.png", args.layer,
                               run_dir.name)

@@ -9,13 +9,13 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from ml_collections import ConfigDict  # noqa: E402
 
 from jaxgpt import GPTConfig, sharding  # noqa: E402
+from jaxgpt.config import TrainConfig  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.training import init_state, make_train_step, sharded_init  # noqa: E402
 
-TRAIN = ConfigDict(dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0))
+TRAIN = TrainConfig(**dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0))
 # sizes divisible by every mesh axis, so each rule really shards; dropout masks are hashes of
 # each element's global index, so they too are the same on every mesh
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, d_model=32, d_ff=64, dropout=0.1)
@@ -37,7 +37,7 @@ def run(mesh_shape):
         step = jax.jit(step_fn)
         put = lambda x: x  # noqa: E731
     else:
-        mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_shape)))
+        mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_shape, strict=True)))
         state, shardings = sharded_init(CFG, optimizer, key, mesh)
         batch_sharding = sharding.batch_sharding(mesh)
         step = jax.jit(step_fn, in_shardings=(shardings, (batch_sharding, batch_sharding), None),
@@ -58,9 +58,10 @@ def main():
     out = {}
     for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)]:
         losses, params, sharded_leaves = run(shape)
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
-        out[str(shape)] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)), "param_diff": diff,
-                           "sharded_leaves": sharded_leaves}
+        pairs = zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
+        diff = max(float(np.abs(a - b).max()) for a, b in pairs)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+        out[str(shape)] = {"loss_diff": loss_diff, "param_diff": diff, "sharded_leaves": sharded_leaves}
     json.dump(out, sys.stdout)
 
 

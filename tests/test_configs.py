@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxgpt import GPT, param_count
-from jaxgpt.training import load_config, model_config
+from jaxgpt.config import load_config
+from jaxgpt.run import model_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.py"))
 
@@ -26,7 +27,8 @@ def test_presets_match_their_recipes():
     assert {"default", "shakespeare_char_cpu", "shakespeare_char", "gpt2_124m"} <= set(configs)
     cpu = configs["shakespeare_char_cpu"]
     assert (cpu.model.n_layer, cpu.model.n_head, cpu.model.d_model, cpu.model.block_size) == (4, 4, 128, 64)
-    assert (cpu.train.batch_size, cpu.train.steps, cpu.train.lr, cpu.train.min_lr, cpu.train.b2) == (12, 2000, 1e-3, 1e-4, 0.99)
+    train = cpu.train
+    assert (train.batch_size, train.steps, train.lr, train.min_lr, train.b2) == (12, 2000, 1e-3, 1e-4, 0.99)
     assert not cpu.model.bias and cpu.model.dropout == 0.0
     gpt2 = configs["gpt2_124m"]
     assert gpt2.train.batch_size * gpt2.train.grad_accum * gpt2.model.block_size == 524_288

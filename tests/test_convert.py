@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 import reference as ref
-from jaxgpt import GPTConfig, convert, export, sampling, tokenizers
+from safetensors.numpy import load_file, save_file
+from test_model import random_params
+
+from jaxgpt import GPTConfig, convert, export, sampling, text, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.model import GPT
-from test_model import random_params
+from jaxgpt.run import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ("The king speaks to the queen. Then the lord goes there, and now the lady comes here!\n" * 12
@@ -38,7 +39,7 @@ def tiny(**changes):
     return GPTConfig(**{**base, **changes})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward(cfg):
     return jax.jit(lambda params, tokens: GPT(cfg).apply({"params": params}, tokens))
 
@@ -324,17 +325,18 @@ def test_init_params_from_bad_input(checkpoint, spec, cfg_changes, message):
 
 
 def test_resolve_init_from_takes_the_architecture_and_tokenizer_of_the_checkpoint(tmp_path, checkpoint, bpe):
-    from jaxgpt.training import default_config
+    from jaxgpt.config import default_config
 
     config = default_config()
-    config.init_from = f"hf:{checkpoint}"  # a key the lead adds to default_config; here set by hand
+    config.init_from = f"hf:{checkpoint}"
     config.run_dir = str(tmp_path / "run")
     config.model.update(n_layer=6, d_model=128, block_size=8, dropout=0.1, dtype="bfloat16")
-    convert.resolve_init_from(config)
-    resolved = GPTConfig.from_dict(dict(config.model))
+    before = config.to_dict()
+    resolved_config, tokenizer = convert.resolve_init_from(config)
+    resolved = GPTConfig.from_dict(dict(resolved_config.model))
     assert resolved == tiny(block_size=8, dropout=0.1, dtype="bfloat16")
-    assert tokenizers.load(config.data.tokenizer) == bpe
-    assert Path(config.data.tokenizer) == tmp_path / "run" / "tokenizer.json"
+    assert tokenizer == bpe
+    assert config.to_dict() == before  # the caller's config is left as it was
 
     config.model.block_size = 17
     with pytest.raises(ValueError, match=r"model.block_size=17 is longer than the context of .* \(n_positions=16\)"):
@@ -342,7 +344,7 @@ def test_resolve_init_from_takes_the_architecture_and_tokenizer_of_the_checkpoin
 
 
 def test_resolve_init_from_needs_a_tokenizer(tmp_path, checkpoint):
-    from jaxgpt.training import default_config
+    from jaxgpt.config import default_config
 
     path = tmp_path / "gpt2"
     shutil.copytree(checkpoint, path)
@@ -354,19 +356,18 @@ def test_resolve_init_from_needs_a_tokenizer(tmp_path, checkpoint):
     with pytest.raises(ValueError, match="has no vocab.json \\+ merges.txt: set data.tokenizer to the path"):
         convert.resolve_init_from(config)
     config.data.tokenizer = "my-tokenizer.json"  # given by path: kept as it is
-    convert.resolve_init_from(config)
-    assert config.data.tokenizer == "my-tokenizer.json"
+    resolved, tokenizer = convert.resolve_init_from(config)
+    assert resolved.data.tokenizer == "my-tokenizer.json" and tokenizer is None
 
 
 def test_fine_tuning_from_a_checkpoint_runs_end_to_end(tmp_path, checkpoint):
     """train(config) with init_from = hf:PATH starts from the checkpoint's params (cropped to
     the run's block size) and lowers the held-out loss from there."""
     from jaxgpt import data
-    from jaxgpt.training import default_config, loss_fn, train
+    from jaxgpt.config import default_config
+    from jaxgpt.run import train
+    from jaxgpt.training import loss_fn
 
-    if "init_from" not in default_config():
-        pytest.skip("training.default_config has no init_from key yet (the lead wires convert.resolve_init_from "
-                    "and convert.init_params_from into training.train)")
     corpus_file = tmp_path / "corpus.txt"
     corpus_file.write_text(TEXT * 4)
     config = default_config()
@@ -381,7 +382,7 @@ def test_fine_tuning_from_a_checkpoint_runs_end_to_end(tmp_path, checkpoint):
 
     cfg, start = convert.crop_block_size(*convert.load_hf_gpt2(checkpoint), 8)
     loss = jax.jit(lambda params, inputs, targets: loss_fn(GPT(cfg), params, inputs, targets))
-    corpus = data.prepare(config.data)
+    corpus = data.prepare(config.data, tokenizer=convert.load_hf_tokenizer(checkpoint))
     # Step 1's loss is that of the checkpoint's params on step 1's batch: training started from them.
     inputs, targets = data.train_batch(corpus.train, seed=config.train.seed, step=0, batch_size=4, block_size=8)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -389,7 +390,7 @@ def test_fine_tuning_from_a_checkpoint_runs_end_to_end(tmp_path, checkpoint):
                                                                                  abs=1e-5)
     val = np.asarray(corpus.val[: (len(corpus.val) - 1) // 8 * 8 + 1], np.int32)
     held_out = val[:-1].reshape(-1, 8), val[1:].reshape(-1, 8)
-    trained = sampling.load_run(tmp_path / "run")[0]
+    trained = load_run(tmp_path / "run")[0]
     assert float(loss(trained, *held_out)) < float(loss(start, *held_out)) - 0.1
 
 
@@ -397,17 +398,12 @@ def test_sample_py_samples_from_a_checkpoint(checkpoint, capsys):
     from scripts import load_script
 
     cli = load_script("sample.py")
-    try:
-        cli.parse_args(["--hf_dir", str(checkpoint)])
-    except SystemExit:
-        capsys.readouterr()
-        pytest.skip("sample.py has no --hf_dir yet (the lead wires convert.load_hf_run into it)")
     prompt = "The king"
     status = cli.main(["--hf_dir", str(checkpoint), "--prompt", prompt, "--max_new_tokens", "8", "--temperature", "0"])
     out, err = capsys.readouterr()
     assert status == 0, err
     params, cfg, tokenizer = convert.load_hf_run(checkpoint)
-    continuation = sampling.generate_text(params, cfg, tokenizer, prompt, max_new_tokens=8, temperature=0.0)
+    continuation = text.generate_text(params, cfg, tokenizer, prompt, max_new_tokens=8, temperature=0.0)
     assert out == prompt + continuation + "\n"
 
 
@@ -439,7 +435,7 @@ def test_export_writes_a_checkpoint_that_loads_as_the_run(tmp_path, capsys, bpe)
     assert "vocab.json, merges.txt" in out
     params, loaded_cfg, tokenizer = convert.load_hf_run(tmp_path / "hf")
     assert tokenizer == bpe and architecture(loaded_cfg) == architecture(cfg)
-    run_params = sampling.load_run(run)[0]
+    run_params = load_run(run)[0]
     tokens = tokens_for(cfg)
     np.testing.assert_allclose(logits(cfg, run_params, tokens), gpt2_forward_from_files(tmp_path / "hf", tokens),
                                atol=1e-4, rtol=1e-4)

@@ -234,7 +234,7 @@ def build_local_tfds(manual_dir, data_dir, config_name=None):
     """Prepare a local corpus as a TFDS dataset with TFDS's own API, offline."""
     import tensorflow_datasets as tfds
 
-    from jaxgpt import tfds_local
+    from jaxgpt.data import tfds_local
 
     tfds.disable_progress_bar()
     kwargs = {"config": tfds_local.LocalTextCorpusConfig(name=config_name)} if config_name else {}
@@ -616,7 +616,7 @@ def test_train_rows_equal_the_rows_of_the_full_batch(batch_size, data_):
     for rows in (slice(start, stop), (start, stop)):
         part = data.train_batch(positions(300), seed=3, step=11, batch_size=batch_size,
                                 block_size=8, rows=rows)
-        for got, want in zip(part, full):
+        for got, want in zip(part, full, strict=True):
             np.testing.assert_array_equal(got, want[start:stop])
 
 
@@ -658,7 +658,7 @@ def test_eval_batch_rows_equal_the_rows_of_the_full_batch():
         full = data.eval_batch(positions(60), index, batch_size=4, block_size=8, stride=5)
         part = data.eval_batch(positions(60), index, batch_size=4, block_size=8, stride=5,
                                rows=slice(1, 3))
-        for got, want in zip(part, full):
+        for got, want in zip(part, full, strict=True):
             np.testing.assert_array_equal(got, want[1:3])
 
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import reference as ref
 from scripts import load_script
+from test_model import random_params
+
 from jaxgpt import GPTConfig, convert, tokenizers
 from jaxgpt.checkpoint import Checkpoints
-from test_model import random_params
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "".join(f"Line {i}: the king speaks to the queen, and the lord answers {i * 7 % 13}.\n" for i in range(24))

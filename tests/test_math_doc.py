@@ -24,7 +24,7 @@ def references(text: str) -> list[tuple[str, str]]:
     return REFERENCE.findall(text)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parsed(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"))
 
@@ -51,7 +51,7 @@ def missing(text: str, root: Path) -> list[str]:
 def sections(text: str) -> dict[str, str]:
     """Heading → body of each '## ' section."""
     parts = re.split(r"^## (.+)$", text, flags=re.MULTILINE)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def test_every_named_function_and_test_exists():
@@ -89,4 +89,4 @@ def test_sections_follow_the_architecture_in_order():
         where = [i for i, heading in enumerate(headings) if topic in heading]
         assert where, f"no section heading mentions {topic!r}"
         positions.append(where[0])
-    assert positions == sorted(positions), list(zip(TOPICS, positions))
+    assert positions == sorted(positions), list(zip(TOPICS, positions, strict=True))

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import reference as ref
+
 from jaxgpt import GPT, GPTConfig, flops_per_token, init_cache, param_count
 
 POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "none"]
@@ -35,7 +35,7 @@ def init_params(cfg, seed=0):
     return jax.jit(lambda: GPT(cfg).init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"])()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def random_params(cfg, seed=0):
     """Params of the model's shapes drawn at a scale that makes every term matter (non-zero
     biases, norm scales far from one), so a wrong term cannot hide. Drawn with NumPy from
@@ -179,7 +179,7 @@ def test_blocked_attention_matches_float64_numpy_reference(positions):
     def grads(cfg):
         return jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(GPT(cfg).apply({"params": p}, x)))))(params)
 
-    for got, expected in zip(jax.tree.leaves(grads(blocked)), jax.tree.leaves(grads(explicit))):
+    for got, expected in zip(jax.tree.leaves(grads(blocked)), jax.tree.leaves(grads(explicit)), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
@@ -194,7 +194,7 @@ def test_param_count_closed_form_equals_pytree(activation, norm):
                                            (True, False, "sinusoidal", False), (False, True, "alibi", True)]:
         cfg = tiny(activation=activation, norm=norm, tie_embeddings=tie, bias=bias, positions=positions,
                    parallel_block=parallel, d_ff=20)
-        shapes = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+        shapes = jax.eval_shape(lambda cfg=cfg: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
         assert param_count(cfg) == count(shapes["params"]), cfg
 
 
@@ -282,5 +282,5 @@ def test_remat_gives_the_same_gradients(dropout):
     def grads(cfg):
         return jax.jit(jax.grad(lambda p: loss_fn(GPT(cfg), p, x, x, None, key)))(params)
 
-    for a, b in zip(jax.tree.leaves(grads(plain)), jax.tree.leaves(grads(remat))):
+    for a, b in zip(jax.tree.leaves(grads(plain)), jax.tree.leaves(grads(remat)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

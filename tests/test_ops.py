@@ -5,9 +5,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 
 from jaxgpt import ops
-import reference as ref
 
 SHAPES = [(1, 4, 1, 8), (2, 7, 3, 4), (3, 16, 4, 16)]  # (B, T, H, D)
 TOL = dict(rtol=2e-5, atol=2e-6)

@@ -1,5 +1,6 @@
-"""Sampling: the filters against worked examples and NumPy, generate and beam search against
-naive float64 recomputation (tests/reference.py) and enumeration, and sample.py end to end."""
+"""Sampling (jaxgpt.sampling, jaxgpt.decoding, jaxgpt.beam, jaxgpt.text): the filters against
+worked examples and NumPy, generate and beam search against naive float64 recomputation
+(tests/reference.py) and enumeration, and sample.py end to end."""
 
 import ast
 import functools
@@ -15,14 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-import reference as ref
 from scripts import load_script
-from jaxgpt import GPTConfig, sampling, tokenizers
-from jaxgpt.checkpoint import Checkpoints
 from test_model import random_params as uncommitted_random_params
+
+from jaxgpt import GPTConfig, beam, sampling, tokenizers
+from jaxgpt.checkpoint import Checkpoints
+from jaxgpt.run import load_run
+from jaxgpt.text import generate_text
 
 ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "none"]
@@ -35,7 +38,7 @@ PROMPTS = [[5, 1, 7], [3, 9, 2, 4, 8, 6, 1, 0, 2, 7], [4]]
 NEW = 12
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def random_params(cfg):
     """test_model's random params, committed to the device as restored checkpoints are: jit
     compiles anew for a change of placement, and this way the tests share programs with
@@ -77,7 +80,7 @@ def naive_greedy(cfg, prompt, n):
 
 
 def rows(result):
-    return [list(row[:length]) for row, length in zip(result.tokens, result.lengths)]
+    return [list(row[:length]) for row, length in zip(result.tokens, result.lengths, strict=True)]
 
 
 def padded(prompts, width=16):
@@ -311,13 +314,33 @@ def test_bad_arguments_are_refused_with_a_clear_message(options, message):
         sampling.generate(random_params(cfg), cfg, **arguments)
 
 
+def test_options_as_an_object_or_as_keywords_draw_the_same():
+    """A SamplingOptions and its fields given as keywords are the same request; giving both
+    is a one-line error, and so is an impossible option, when the options are made."""
+    cfg = tiny()
+    params, key = random_params(cfg), jax.random.key(5)
+    options = sampling.SamplingOptions(NEW, temperature=0.7, eos_id=3, return_logprobs=True)
+    as_object = jax.device_get(sampling.generate(params, cfg, PROMPTS, key, options))
+    as_keywords = run(cfg, key=key, temperature=0.7, eos_id=3)
+    jax.tree.map(np.testing.assert_array_equal, as_object, as_keywords)
+    assert as_object.logprobs is not None and as_object.top_ids is None
+
+    with pytest.raises(ValueError, match=r"as a SamplingOptions or as keywords, not both: got options and top_k$"):
+        sampling.generate(params, cfg, PROMPTS, key, options, top_k=3)
+    with pytest.raises(ValueError, match="not both"):
+        sampling.stream(params, cfg, PROMPTS, key, options, temperature=0.0)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number ≥ 0 \(0 means greedy\), got -1.0"):
+        sampling.SamplingOptions(NEW, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"eos_id must be a token id in 0…22, got 23"):
+        sampling.generate(params, cfg, PROMPTS, key, sampling.SamplingOptions(NEW, eos_id=23))
+
+
 # --- beam search --------------------------------------------------------------------------
 
 
 def test_one_beam_is_greedy_past_the_context_too():
     cfg = tiny()
-    beams = jax.device_get(sampling.beam_search(random_params(cfg), cfg, PROMPTS[0], num_beams=1,
-                                                max_new_tokens=NEW))
+    beams = jax.device_get(beam.beam_search(random_params(cfg), cfg, PROMPTS[0], num_beams=1, max_new_tokens=NEW))
     tokens, logprobs = naive_greedy(cfg, PROMPTS[0], NEW)
     assert list(beams.tokens[0]) == PROMPTS[0] + tokens
     np.testing.assert_allclose(beams.scores[0], logprobs.sum() / NEW, rtol=1e-4)
@@ -332,7 +355,7 @@ def enumerate_continuations(cfg, prompt, n, eos_id=None, length_penalty=0.0):
     log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
     steps = np.take_along_axis(log_p[:, len(prompt) - 1:-1], full[:, len(prompt):, None], axis=-1)[..., 0]
     scores = {}
-    for sequence, step_log_p in zip(full[:, len(prompt):], steps):
+    for sequence, step_log_p in zip(full[:, len(prompt):], steps, strict=True):
         for length in range(1, n + 1):
             head = tuple(sequence[:length])
             if eos_id in head[:-1]:
@@ -347,10 +370,10 @@ def test_enough_beams_find_the_most_probable_continuations(eos_id, length_penalt
     """V = 5, 3 new tokens: 25 = V² beams keep every prefix, so beam search is exhaustive."""
     cfg = tiny(vocab_size=5)
     prompt, k = [1, 3], 25
-    beams = jax.device_get(sampling.beam_search(random_params(cfg), cfg, prompt, num_beams=k, max_new_tokens=3,
-                                                eos_id=eos_id, length_penalty=length_penalty))
+    beams = jax.device_get(beam.beam_search(random_params(cfg), cfg, prompt, num_beams=k, max_new_tokens=3,
+                                            eos_id=eos_id, length_penalty=length_penalty))
     best = enumerate_continuations(cfg, prompt, 3, eos_id, length_penalty)[:k]
-    got = [tuple(row[len(prompt):length]) for row, length in zip(beams.tokens, beams.lengths)]
+    got = [tuple(row[len(prompt):length]) for row, length in zip(beams.tokens, beams.lengths, strict=True)]
     assert got[0] == best[0][0]
     np.testing.assert_allclose(beams.scores, [score for _, score in best], rtol=1e-4)
     assert set(got) == {sequence for sequence, _ in best}
@@ -382,10 +405,10 @@ def test_few_beams_past_the_context_match_a_plain_beam_search(length_penalty):
     hypotheses fill the two slots early, so the search may stop early, but never differently."""
     cfg = tiny()
     prompt, eos_id = [1, 3], 2
-    beams = jax.device_get(sampling.beam_search(random_params(cfg), cfg, prompt, num_beams=2, max_new_tokens=8,
-                                                eos_id=eos_id, length_penalty=length_penalty))
+    beams = jax.device_get(beam.beam_search(random_params(cfg), cfg, prompt, num_beams=2, max_new_tokens=8,
+                                            eos_id=eos_id, length_penalty=length_penalty))
     want = reference_beam_search(cfg, prompt, 2, 8, eos_id, length_penalty)
-    got = [tuple(row[len(prompt):length]) for row, length in zip(beams.tokens, beams.lengths)]
+    got = [tuple(row[len(prompt):length]) for row, length in zip(beams.tokens, beams.lengths, strict=True)]
     assert got == [sequence for sequence, _ in want]
     np.testing.assert_allclose(beams.scores, [score for _, score in want], rtol=1e-4)
 
@@ -419,7 +442,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(run_dir):
-    return sampling.load_run(run_dir)
+    return load_run(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -447,7 +470,7 @@ def test_load_run_gives_the_saved_params_config_and_tokenizer(run_dir, loaded):
 def test_sample_py_prints_what_generate_text_gives(cli, capsys, run_dir, loaded):
     status, out, _ = sample(cli, capsys, run_dir, *SAMPLING)
     assert status == 0
-    texts = sampling.generate_text(*loaded, [PROMPT] * 3, seed=3, max_new_tokens=NEW)
+    texts = generate_text(*loaded, [PROMPT] * 3, seed=3, max_new_tokens=NEW)
     assert out == f"\n{cli.DIVIDER}\n".join(PROMPT + text for text in texts) + "\n"
     assert len(set(texts)) == 3
 
@@ -475,12 +498,12 @@ def test_sample_py_show_probs(cli, capsys, run_dir, loaded):
     assert len(samples) == len(texts) == 3
     log_p = naive_log_probs(cfg, jax.device_get(params), tokenizer.encode(PROMPT))
     top = np.argsort(-log_p)[:3]
-    for lines, text, new in zip((s.split("\n") for s in samples), texts, news):
+    for lines, text, new in zip((s.split("\n") for s in samples), texts, news, strict=True):
         assert "\n".join(lines[len(new):]) == text
         context, choices = parse_probs_line(lines[0])
         assert context == PROMPT
         assert [token for token, _ in choices] == [tokenizer.decode([int(t)], keep_special=True) for t in top]
-        for (_, shown), t in zip(choices, top):
+        for (_, shown), t in zip(choices, top, strict=True):
             percent = 100 * np.exp(log_p[t])
             assert percent < 1 if shown is None else abs(shown - percent) <= 0.51
         second_context = tokenizer.decode(tokenizer.encode(PROMPT) + [int(new[0])], keep_special=True)
@@ -500,8 +523,8 @@ def test_sample_py_beams(cli, capsys, run_dir, loaded):
     status, out, _ = sample(cli, capsys, run_dir, "--prompt", prompt, "--beams", 2, "--num_samples", 2,
                             "--max_new_tokens", 8)
     assert status == 0
-    beams = jax.device_get(sampling.beam_search(params, cfg, tokenizer.encode(prompt), num_beams=2, max_new_tokens=8,
-                                                eos_id=tokenizer.eos_id))
+    beams = jax.device_get(beam.beam_search(params, cfg, tokenizer.encode(prompt), num_beams=2, max_new_tokens=8,
+                                            eos_id=tokenizer.eos_id))
     printed = [chunk.split("\n", 1) for chunk in out.split(f"\n{cli.DIVIDER}\n")]
     for i, (header, text) in enumerate(printed):
         assert header == f"# beam {i + 1}, score {beams.scores[i]:.4f}"

@@ -74,7 +74,7 @@ def naive_bpe_training(texts, vocab_size, pattern=GPT2_PATTERN):
     while len(tokens) + 3 < vocab_size:
         pair_counts = Counter()
         for word, seq in sequences.items():
-            for pair in zip(seq, seq[1:]):
+            for pair in zip(seq, seq[1:], strict=False):
                 pair_counts[pair] += word_counts[word]
         if not pair_counts:
             break
@@ -157,7 +157,7 @@ def test_bpe_round_trips_with_a_pattern_that_skips_text(text):
 
 
 def test_bpe_round_trips_after_the_encode_cache_starts_over(bpe, monkeypatch):
-    monkeypatch.setattr(tokenizers, "_ENCODE_CACHE_LIMIT", 2)
+    monkeypatch.setattr(tokenizers.bpe, "_ENCODE_CACHE_LIMIT", 2)
     fresh = tokenizers.from_dict(bpe.to_dict())
     text = " ".join(CORPUS)
     assert fresh.encode(text) == bpe.encode(text)

@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ml_collections import ConfigDict
 
 from jaxgpt import GPTConfig, sharding
+from jaxgpt.config import TrainConfig
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.training import init_state, make_train_step
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-TRAIN = ConfigDict(dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0))
+TRAIN = TrainConfig(**dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0))
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -32,9 +32,10 @@ def test_gradient_accumulation_equals_one_big_batch():
     four, m4 = jax.jit(make_train_step(cfg, optimizer, schedule, grad_accum=4))(state, batch, key)  # 4 × 2 rows
     assert float(m4["loss"]) == pytest.approx(float(m1["loss"]), abs=1e-5)
     assert float(m4["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-5)
-    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(four.params)):
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(four.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(state.params)))
+    pairs = zip(jax.tree.leaves(one.params), jax.tree.leaves(state.params), strict=True)
+    moved = max(float(jnp.abs(a - b).max()) for a, b in pairs)
     assert moved > 1e-4  # the update is real, so equality above means something
 
 
@@ -52,6 +53,9 @@ def test_sharded_training_equals_single_device():
     assert results["(2, 2, 2)"]["sharded_leaves"] > 0 and results["(1, 1, 8)"]["sharded_leaves"] > 0
 
 
+MESH = {"data": -1, "fsdp": 1, "tensor": 1, "cpu_devices": -1}
+
+
 def test_cpu_devices_one_per_core_as_many_as_divide_the_batches():
     assert sharding.auto_cpu_devices(2, [12, 48]) == 2
     assert sharding.auto_cpu_devices(8, [12, 48]) == 6
@@ -61,12 +65,12 @@ def test_cpu_devices_one_per_core_as_many_as_divide_the_batches():
     assert sharding.auto_cpu_devices(4, [12], processes=2) == 3
     # JAX has started in this process: the count is left alone, and asking for one is an error
     jax.devices()
-    assert sharding.use_cpu_cores({"data": -1, "fsdp": 1, "tensor": 1}, [12]) == 0
-    assert sharding.use_cpu_cores({"cpu_devices": 0}, [12]) == 0
+    assert sharding.use_cpu_cores(MESH, [12]) == 0
+    assert sharding.use_cpu_cores({**MESH, "cpu_devices": 0}, [12]) == 0
     with pytest.raises(ValueError, match="mesh.cpu_devices=3 cannot take effect: JAX was already started"):
-        sharding.use_cpu_cores({"cpu_devices": 3}, [12])
+        sharding.use_cpu_cores({**MESH, "cpu_devices": 3}, [12])
     with pytest.raises(ValueError, match="mesh.cpu_devices=-3: use a device count, 0"):
-        sharding.use_cpu_cores({"cpu_devices": -3}, [12])
+        sharding.use_cpu_cores({**MESH, "cpu_devices": -3}, [12])
 
 
 # --- whole runs ------------------------------------------------------------------------------
@@ -96,7 +100,7 @@ def corpus(tmp_path_factory):
 
 
 def tiny_config(tmp_path, corpus, run="run", **changes):
-    from jaxgpt.training import default_config
+    from jaxgpt.config import default_config
 
     config = default_config()
     for key, value in {**TINY_OVERRIDES, **changes}.items():
@@ -126,12 +130,12 @@ def final_params(run_dir, step=None):
 
 
 def assert_trees_close(a, b, atol):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
 
 
 def test_resume_equals_uninterrupted(tmp_path, corpus):
-    from jaxgpt.training import train
+    from jaxgpt.run import train
 
     first = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 3}))
     assert first["step"] == 3
@@ -146,7 +150,7 @@ def test_resume_equals_uninterrupted(tmp_path, corpus):
 
 def test_keeps_last_checkpoints_and_best_by_validation_loss(tmp_path, corpus):
     from jaxgpt.checkpoint import Checkpoints
-    from jaxgpt.training import train
+    from jaxgpt.run import train
 
     train(tiny_config(tmp_path, corpus, **{"train.steps": 12, "train.ckpt_every": 2, "train.eval_every": 4,
                                           "train.keep_checkpoints": 2}))
@@ -160,7 +164,7 @@ def test_keeps_last_checkpoints_and_best_by_validation_loss(tmp_path, corpus):
 
 
 def test_resume_modes_and_another_model_in_the_run_dir(tmp_path, corpus):
-    from jaxgpt.training import TrainingError, train
+    from jaxgpt.run import TrainingError, train
 
     with pytest.raises(TrainingError, match="resume='must' but .* has no checkpoint"):
         train(tiny_config(tmp_path, corpus, **{"train.steps": 3}, resume="must"))
@@ -173,7 +177,7 @@ def test_resume_modes_and_another_model_in_the_run_dir(tmp_path, corpus):
 
 @pytest.mark.parametrize("damage", ["arrays", "everything"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, caplog, damage):
-    from jaxgpt.training import train
+    from jaxgpt.run import train
 
     train(tiny_config(tmp_path, corpus))  # checkpoints at steps 3 and 6
     for f in (tmp_path / "run" / "checkpoints" / "6").rglob("*"):
@@ -189,7 +193,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, 
 
 
 def test_nan_loss_stops_the_run_naming_the_step(tmp_path, corpus):
-    from jaxgpt.training import TrainingError, train
+    from jaxgpt.run import TrainingError, train
 
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step \d+: stopping"):
         train(tiny_config(tmp_path, corpus, **{"train.lr": 1e30, "train.clip": 0.0, "train.steps": 6}))
@@ -261,8 +265,9 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus, async_che
     proc.wait()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     reached = records[-1]["step"]
-    out = run_train_py(cli_args(tmp_path, corpus, **{"train.steps": reached + 3, "train.decay_steps": 100000,
-                                                     "train.ckpt_every": 2, "train.eval_every": 1000}) + ["--config.resume=must"])
+    resume_args = cli_args(tmp_path, corpus, **{"train.steps": reached + 3, "train.decay_steps": 100000,
+                                                "train.ckpt_every": 2, "train.eval_every": 1000})
+    out = run_train_py(resume_args + ["--config.resume=must"])
     assert out.returncode == 0, out.stderr[-3000:]
     resumed_from = int(out.stderr.split("resuming at step ")[1].split(";")[0])
     # `reached` (the last step logged) is at most where the run was killed. A synchronous save
@@ -295,7 +300,7 @@ def test_two_processes_train_together_like_one(tmp_path, corpus):
         for i in range(2)
     ]
     outputs = [p.communicate(timeout=240) for p in procs]
-    for p, (_, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert "2 cpu device(s)" in outputs[0][1]
     single = run_train_py(cli_args(tmp_path, corpus, "single"))

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from matplotlib.image import imread
-
 import reference as ref
+from matplotlib.image import imread
+from test_model import random_params
+
 from jaxgpt import GPT, GPTConfig, tokenizers, viz
 from jaxgpt.checkpoint import Checkpoints
-from jaxgpt.sampling import load_run
-from test_model import random_params
+from jaxgpt.run import load_run
 
 TEXT = "def add(a, b):\n    return a + b\n"  # 16 characters + 4 special tokens
 PROMPT = "def add(a, b):"

@@ -1,7 +1,7 @@
 """A TFDS builder for a local text corpus: your files → a TFDS dataset, with TFDS's own tools.
 
     import tensorflow_datasets as tfds
-    import jaxgpt.tfds_local  # registers the builder "local_text_corpus"
+    import jaxgpt.data.tfds_local  # registers the builder "local_text_corpus"
 
     builder = tfds.builder("local_text_corpus", data_dir=DATA_DIR)
     builder.download_and_prepare(
@@ -14,11 +14,11 @@ Then train on it with `data.source = "tfds:local_text_corpus"` and
 names of their own: `tfds.builder("local_text_corpus", config=LocalTextCorpusConfig(
 name="mycode"), ...)`, read back as `tfds:local_text_corpus/mycode`. With TensorFlow
 installed, TFDS's command line does the same: `tfds build local_text_corpus
---imports=jaxgpt.tfds_local --manual_dir=path/to/my/files --file_format=array_record`.
+--imports=jaxgpt.data.tfds_local --manual_dir=path/to/my/files --file_format=array_record`.
 ArrayRecord needs no TensorFlow to write or read; don't use the parquet format, which
 tensorflow-datasets 4.9.10 writes with rows missing.
 
-The files are read exactly like a path source of `jaxgpt.data` (one document per text
+The files are read exactly like a path source of `jaxgpt.data.sources` (one document per text
 file, one per `.jsonl` line, one per `.pdf`). Subdirectories of manual_dir named like
 splits (train, validation, test) become those splits; without any, every file below
 manual_dir is in the train split. Each example is {"text": the document, "source": its
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from jaxgpt import data
+from jaxgpt.data.sources import DocumentReader, list_files
 
 SPLIT_DIRS = ("train", "validation", "test")
 
@@ -76,8 +76,8 @@ class LocalTextCorpus(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, directory: Path) -> Iterator[tuple[str, dict[str, str]]]:
         # Without a LocalTextCorpusConfig, .jsonl lines keep their text in "text".
-        reader = data.DocumentReader(getattr(self.builder_config, "text_field", "text"))
-        for path in data.list_files(directory):
+        reader = DocumentReader(getattr(self.builder_config, "text_field", "text"))
+        for path in list_files(directory):
             relative = path.relative_to(directory).as_posix()
             for k, document in enumerate(reader.read(path)):
                 key = f"{relative}#{k}"

@@ -1,0 +1,35 @@
+"""Data: sources → a token cache on disk → deterministic batches → devices.
+
+    corpus = prepare(cfg.data)         # read, tokenize and cache; later runs reuse the cache
+    x, y = train_batch(corpus.train, seed=0, step=s, batch_size=B, block_size=T)
+    for x, y, mask in eval_batches(corpus.val, batch_size=B, block_size=T): ...
+    make = lambda step, rows: train_batch(corpus.train, seed=0, step=step, batch_size=B,
+                                          block_size=T, rows=rows)
+    with DeviceBatches(make, start_step=s, batch_size=B, sharding=sharding) as batches:
+        for step, (x, y) in batches: ...   # global jax.Arrays, made ahead by a thread
+
+One module per stage, each importing only those before it:
+
+    sources.py     files, directories, globs, JSONL, PDF and the standard library as documents
+    tfds_local.py  a TFDS builder that turns your own files into a dataset
+    tfds.py        tfds:NAME[:SPLIT] as a source (ArrayRecord, no TensorFlow needed)
+    cache.py       prepare(): documents → tokenizer → token files, fingerprinted and reused
+    batches.py     training windows as a pure function of (seed, step); evaluation windows
+    prefetch.py    DeviceBatches: batches made ahead and laid out on the devices
+
+The settings are config.data (jaxgpt.config.DataConfig). Bad input raises
+`FileNotFoundError` (a missing path) or `DataError` (a `ValueError`) with a one-line message
+that says what is wrong and what to do.
+"""
+
+from jaxgpt.data.batches import bits_per_byte, eval_batch, eval_batches, num_eval_batches, train_batch
+from jaxgpt.data.cache import Corpus, open_corpus, prepare, tokenizer_hash
+from jaxgpt.data.prefetch import DeviceBatches, process_rows
+from jaxgpt.data.sources import DocumentReader, list_files, split_documents
+from jaxgpt.errors import DataError
+
+__all__ = [
+    "Corpus", "DataError", "DeviceBatches", "DocumentReader", "bits_per_byte", "eval_batch", "eval_batches",
+    "list_files", "num_eval_batches", "open_corpus", "prepare", "process_rows", "split_documents",
+    "tokenizer_hash", "train_batch",
+]

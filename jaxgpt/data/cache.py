@@ -1,0 +1,269 @@
+"""The token cache: a corpus read, split, tokenized and written once, then memory-mapped.
+
+`prepare` splits the documents into train and validation (held-out documents spread evenly
+over the corpus, or the tail of a single document), trains the tokenizer on the train split
+(or uses the one given), and writes, in `<cache_dir>/<name>-<fingerprint>/`: `train.bin` and
+`val.bin` (the token ids, uint16 when the vocabulary fits, else uint32, with one `<|eos|>`
+between consecutive documents and none at either end), `tokenizer.json` and `meta.json`. The
+fingerprint hashes the source (file paths, sizes and modification times; a TFDS dataset's
+identity), the tokenizer and every setting that changes the tokens, so a matching cache is
+reused and any change makes a new one. A build happens in a hidden `.partial` directory
+renamed into place when complete, so an interrupted build leaves nothing that is later read.
+The corpus is held in memory while it is tokenized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt import tokenizers
+from jaxgpt.config import DataConfig
+from jaxgpt.data.sources import DocumentReader, Source, capped, files_source, list_files, split_documents, stdlib_files
+from jaxgpt.data.tfds import tfds_source
+from jaxgpt.errors import DataError
+from jaxgpt.tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = "jaxgpt-tokens"
+CACHE_VERSION = 1
+SPLITS = ("train", "val")
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A prepared corpus.
+
+    tokenizer: the Tokenizer that made the tokens.
+    train, val: the token ids of each split as read-only 1-D arrays (np.memmap of the
+      cache files; an empty split is an empty array). Documents are separated by
+      `tokenizer.eos_id`, so a new document follows each <|eos|>.
+    meta: the contents of meta.json (fingerprint, token/byte/document counts per split, …).
+    directory: the cache directory the arrays map.
+    """
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+    meta: dict[str, Any]
+    directory: Path
+
+    @property
+    def bytes_per_token(self) -> dict[str, float]:
+        """UTF-8 bytes of each split's text / its token count (NaN for an empty split):
+        the factor that turns a loss per token into one per byte (`bits_per_byte`)."""
+        return {split: counts["bytes"] / counts["tokens"] if counts["tokens"] else math.nan
+                for split, counts in self.meta["splits"].items()}
+
+
+def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> Corpus:
+    """The corpus `data_cfg` describes (a data section, see jaxgpt.config.DataConfig): reuse
+    its cache when the fingerprint matches, else read, split, tokenize and write it.
+
+    The tokens are made by `tokenizer` when one is given (data.tokenizer is then not read),
+    else by the tokenizer data.tokenizer names: a kind to train on the train split, or a
+    saved tokenizer's file."""
+    settings = DataConfig.from_mapping(data_cfg)
+    if tokenizer is None and settings.tokenizer not in tokenizers.KINDS:
+        tokenizer = _load_tokenizer_file(settings.tokenizer)
+    if tokenizer is None:
+        tokenizer_identity: dict[str, Any] = {"kind": settings.tokenizer, "vocab_size": settings.vocab_size}
+        tokenizer_name = settings.tokenizer
+    else:
+        tokenizer_identity = {"sha256": tokenizer_hash(tokenizer)}
+        tokenizer_name = f"{tokenizer.kind}{tokenizer.vocab_size}"
+    source = resolve_source(settings.source, settings)
+    val_source = resolve_source(settings.val_source, settings) if settings.val_source else None
+    fingerprint = _sha256(json.dumps({
+        "format": [CACHE_FORMAT, CACHE_VERSION],
+        "source": source.identity,
+        "val_source": val_source.identity if val_source else None,
+        "val_fraction": None if val_source else settings.val_fraction,
+        "max_documents": settings.max_documents,
+        "max_bytes": settings.max_bytes,
+        "tokenizer": tokenizer_identity,
+    }, sort_keys=True).encode())
+    name = re.sub(r"[^\w.-]+", "-", f"{source.name}-{tokenizer_name}")[:60]
+    directory = settings.cache_path / f"{name}-{fingerprint[:16]}"
+    if not (directory / "meta.json").is_file():
+        _build(directory, fingerprint, source, val_source, settings, tokenizer)
+    corpus = open_corpus(directory, tokenizer=tokenizer)
+    if corpus.meta["fingerprint"] != fingerprint:
+        raise DataError(f"the token cache {directory} belongs to other data; delete it")
+    return corpus
+
+
+def _load_tokenizer_file(spec: str) -> Tokenizer:
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file {spec!r} does not exist; set data.tokenizer to char, word, bpe "
+                                "or a saved tokenizer's path")
+    return tokenizers.load(path)
+
+
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    """SHA-256 of a tokenizer's contents (its saved form, keys sorted): equal tokenizers have
+    equal hashes, whatever file they were read from."""
+    return _sha256(json.dumps(tokenizer.to_dict(), sort_keys=True, ensure_ascii=False).encode("utf-8"))
+
+
+def resolve_source(spec: str, settings: DataConfig) -> Source:
+    """The Source a data.source (or data.val_source) string names."""
+    if spec == "stdlib":
+        return files_source("stdlib", stdlib_files(), settings)
+    if spec.startswith("tfds:"):
+        return tfds_source(spec, settings)
+    return files_source(Path(spec).name or spec, list_files(spec), settings)
+
+
+def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None) -> Corpus:
+    """Map a cache directory written by `prepare`; with `tokenizer`, check that it is the one
+    the tokens were made with (e.g. the tokenizer saved in a run being resumed)."""
+    directory = Path(directory)
+    try:
+        meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{directory} is not a prepared corpus (no meta.json); run prepare") \
+            from None
+    except json.JSONDecodeError:
+        raise DataError(f"{directory}/meta.json is damaged; delete {directory} to rebuild it") \
+            from None
+    if (meta.get("format"), meta.get("version")) != (CACHE_FORMAT, CACHE_VERSION):
+        raise DataError(f"{directory} is not a token cache this jaxgpt reads (format "
+                        f"{meta.get('format')!r} version {meta.get('version')!r}); delete it")
+    tokenizer_file = directory / "tokenizer.json"
+    cached = tokenizers.load(tokenizer_file)
+    if _sha256(tokenizer_file.read_bytes()) != meta["tokenizer"]["sha256"] or (
+        tokenizer is not None and tokenizer != cached
+    ):
+        expected = tokenizer or "the tokenizer recorded in its meta.json"
+        raise DataError(f"the token cache {directory} was made with another tokenizer than "
+                        f"{expected}; delete the directory to rebuild it, or use the tokenizer "
+                        f"it holds ({cached})")
+    dtype = np.dtype(meta["dtype"])
+    arrays = {}
+    for split in SPLITS:
+        count = meta["splits"][split]["tokens"]
+        path = directory / f"{split}.bin"
+        if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
+            raise DataError(f"{path} is missing or has the wrong size for {count} tokens; "
+                            f"delete {directory} to rebuild it")
+        if count:
+            arrays[split] = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+        else:  # mmap cannot map an empty file
+            arrays[split] = np.empty(0, dtype)
+            arrays[split].flags.writeable = False
+    return Corpus(cached, arrays["train"], arrays["val"], meta, directory)
+
+
+def _build(directory: Path, fingerprint: str, source: Source, val_source: Source | None,
+           settings: DataConfig, tokenizer: Tokenizer | None) -> None:
+    """Write the cache for `fingerprint` into a private partial directory, then rename it
+    into place: a reader sees either nothing or a complete cache."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(directory)
+    partial = directory.parent / f".{directory.name}.{socket.gethostname()}.{os.getpid()}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        reader = DocumentReader(settings.text_field)
+        documents = capped(source.documents(reader), settings.max_documents, settings.max_bytes)
+        if not documents:
+            raise DataError(f"the corpus {settings.source!r} is empty: it holds no text")
+        if val_source is None:
+            train_docs, val_docs = split_documents(documents, settings.val_fraction)
+        else:
+            train_docs = documents
+            val_docs = capped(val_source.documents(reader), settings.max_documents,
+                               settings.max_bytes)
+        reader.warn()
+        log.info("tokenizing %s: %d training and %d validation documents", source.name,
+                 len(train_docs), len(val_docs))
+        if tokenizer is None:
+            tokenizer = tokenizers.train_tokenizer(settings.tokenizer, train_docs,
+                                                   settings.vocab_size)
+        tokenizer.save(partial / "tokenizer.json")
+        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        splits = {split: _write_tokens(partial / f"{split}.bin", docs, tokenizer, dtype)
+                  for split, docs in zip(SPLITS, (train_docs, val_docs), strict=True)}
+        meta = {
+            "format": CACHE_FORMAT,
+            "version": CACHE_VERSION,
+            "fingerprint": fingerprint,
+            "source": settings.source,
+            "val_source": settings.val_source,
+            "val_fraction": settings.val_fraction,
+            "max_documents": settings.max_documents,
+            "max_bytes": settings.max_bytes,
+            "dtype": np.dtype(dtype).name,
+            "tokenizer": {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
+                          "eos_id": tokenizer.eos_id,
+                          "sha256": _sha256((partial / "tokenizer.json").read_bytes())},
+            "splits": splits,
+        }
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if directory.exists() and not (directory / "meta.json").exists():
+            shutil.rmtree(directory)  # never published by a build; only a stray copy
+        try:
+            partial.rename(directory)
+        except OSError:
+            if not (directory / "meta.json").is_file():
+                raise
+            # Another process published the same fingerprint first; its cache is equal.
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _remove_abandoned_builds(directory: Path) -> None:
+    """Delete partial builds of `directory` left by processes of this host that died."""
+    host = socket.gethostname()
+    for partial in directory.parent.glob(f".{glob.escape(directory.name)}.*.partial"):
+        owner_host, _, pid = partial.name[len(directory.name) + 2:-len(".partial")].rpartition(".")
+        if owner_host == host and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_tokens(path: Path, documents: Sequence[str], tokenizer: Tokenizer,
+                  dtype: type) -> dict[str, int]:
+    """Write the documents' ids with <|eos|> between documents; return the split's counts."""
+    eos = np.array([tokenizer.eos_id], dtype)
+    tokens = text_bytes = 0
+    with open(path, "wb") as file:
+        for i, document in enumerate(documents):
+            ids = np.asarray(tokenizer.encode(document), dtype)
+            if i:
+                file.write(eos.tobytes())
+                tokens += 1
+            file.write(ids.tobytes())
+            tokens += len(ids)
+            text_bytes += len(document.encode("utf-8"))
+    return {"tokens": tokens, "bytes": text_bytes, "documents": len(documents)}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+

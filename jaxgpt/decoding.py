@@ -1,0 +1,172 @@
+"""Decoding: what sampling (`jaxgpt.sampling`) and beam search (`jaxgpt.beam`) both need,
+the model's next-token logits for a batch of growing sequences and the prompts as a padded
+batch.
+
+The model reads crop(x), the last block_size tokens of x, at positions 0 … block_size−1:
+it never sees more, and a sequence longer than the context continues exactly as
+recomputing the cropped context for every token would (nanoGPT's sample.py).
+
+What a new token costs:
+
+- While the sequence fits in the context (n ≤ block_size): one position through the model.
+  The prompts are prefilled in one parallel pass, then each step feeds only the newest
+  token, whose keys and values join the cache; attention reads the cached ones.
+- Past the context (n > block_size): one parallel pass over the block_size tokens of the
+  window, for every `positions` option, because cropping changes every hidden state of the
+  window. With learned or sinusoidal positions every token moves to a new position, so even
+  the first layer's keys change. With rope the first layer's keys could be re-rotated and
+  with alibi or none they do not change at all (scores depend on distances only), but from
+  the second layer on every key and value is a function of all the tokens before it in the
+  window, and the window has just lost its first token. A rolling cache that keeps the old
+  keys would be cheaper, but it is a different model (its keys still carry the dropped
+  token), so it is not used. The pass costs about block_size cached steps of arithmetic,
+  done as one batch of matrix products. It also refills the cache, so that once the rows
+  past the context have stopped, the others go on from the cache.
+- When generation can go past the context at all (prompt bucket + max_new_tokens >
+  block_size), that window pass is also the prefill: one compiled pass fewer, for a first
+  token that costs what each token past the context costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import GPTConfig
+from jaxgpt.model import GPT, KVCache, init_cache
+
+# --- the model's next-token logits: from the cache, or by recomputing the cropped context ----
+
+
+def _last_tokens(tokens, lengths):
+    """Each row's newest token, (B, 1)."""
+    return jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)
+
+
+def _recomputed_logits(params, cfg: GPTConfig, tokens, lengths, width: int, cache_length: int):
+    """Next-token logits (B, V) by one pass over each row's last `width` tokens (its whole
+    sequence, left-aligned, when shorter: the causal mask hides what follows it), and a
+    fresh cache holding those tokens (valid to go on from for the rows that fit in it; the
+    others were cropped). Serves as the prefill and as the step past the context."""
+    starts = jnp.maximum(lengths - width, 0)
+    windows = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (width,)))(tokens, starts)
+    logits, cache = GPT(cfg).apply({"params": params}, windows, init_cache(cfg, tokens.shape[0], cache_length))
+    return jnp.take_along_axis(logits, (lengths - starts - 1)[:, None, None], axis=1)[:, 0], cache
+
+
+def _cached_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths):
+    """Next-token logits (B, V) by feeding each row's newest token at its position: the cache
+    holds the ones before it (and perhaps it too: writing it again changes nothing). Rows
+    that stopped growing are clamped inside the cache (their output is not used)."""
+    cache = cache.replace(index=jnp.minimum(lengths - 1, cache.max_length - 1))
+    logits, cache = GPT(cfg).apply({"params": params}, _last_tokens(tokens, lengths), cache)
+    return logits[:, 0], cache
+
+
+def start_cache(params, cfg: GPTConfig, tokens, lengths, prompt_width: int) -> KVCache:
+    """The cache to start decoding from, for a (B, W) buffer of sequences `tokens` whose
+    prompts (`lengths` long) lie in the first prompt_width columns. When every sequence fits
+    in the context (W ≤ block_size) the prompts are prefilled now; otherwise it starts empty
+    and the first `next_logits`, a pass over the context windows, fills it (one compiled
+    pass fewer; that first step costs one window pass, as does every step past the context)."""
+    width = tokens.shape[1]
+    if width > cfg.block_size:
+        return init_cache(cfg, tokens.shape[0], cfg.block_size)
+    return _recomputed_logits(params, cfg, tokens, lengths, prompt_width, width)[1]
+
+
+def next_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths, active, step):
+    """Every row's next-token logits (B, V) and the cache, after `step` tokens were added to
+    the buffer from `start_cache`: from the cache (one position per row) when every active
+    row fits in the context and the cache is filled, else by one pass over each row's
+    cropped context, which refills the cache."""
+    from_cache = lambda: _cached_logits(params, cfg, cache, tokens, lengths)  # noqa: E731
+    if tokens.shape[1] <= cfg.block_size:  # every sequence fits, and start_cache prefilled the prompts
+        return from_cache()
+    fits = (step > 0) & jnp.all(~active | (lengths <= cfg.block_size))
+    window = cfg.block_size
+    return jax.lax.cond(fits, from_cache, lambda: _recomputed_logits(params, cfg, tokens, lengths, window, window))
+
+
+# --- prompts -------------------------------------------------------------------------------------
+
+MIN_BUCKET = 8
+
+
+def prompt_bucket(length: int) -> int:
+    """The padded prompt width for prompts up to `length` tokens: the next power of two
+    (at least MIN_BUCKET), so that a few compiled programs serve every prompt length."""
+    return max(MIN_BUCKET, 1 << (length - 1).bit_length())
+
+
+def prompt_batch(config: GPTConfig, prompts, prompt_lengths, pad_id):
+    """(prompts (B, P) int32, lengths (B,) int32, longest prompt or None for array input)
+    from a list of token-id sequences (padded with pad_id up to their `prompt_bucket`) or a
+    (B, P) integer array with optional prompt_lengths; ValueError for anything else."""
+    if isinstance(prompts, (jax.Array, np.ndarray)):
+        return _array_batch(config, prompts, prompt_lengths)
+    if prompt_lengths is not None:
+        raise ValueError("prompt_lengths is for a padded (B, P) array of prompts; a list of prompts has its lengths")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id sequences (or a (B, P) array)")
+    rows = []
+    for b, prompt in enumerate(prompts):
+        if isinstance(prompt, (int, np.integer)):
+            raise ValueError("prompts must be a list of token-id sequences, one per row: for one prompt pass [prompt]")
+        row = np.asarray(prompt)
+        if row.ndim != 1 or row.size == 0 or not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"prompt {b} must be a non-empty sequence of token ids, got {prompt!r:.80}")
+        rows.append(row)
+    longest = max(len(row) for row in rows)
+    padded = np.full((len(rows), prompt_bucket(longest)), pad_id, np.int64)
+    for b, row in enumerate(rows):
+        padded[b, :len(row)] = row
+    _check_ids(config, np.concatenate(rows))
+    lengths = np.array([len(row) for row in rows], np.int32)
+    return jnp.asarray(padded, jnp.int32), jnp.asarray(lengths), longest
+
+
+def _array_batch(config: GPTConfig, prompts, prompt_lengths):
+    """`prompt_batch` of a (B, P) array: its ids and lengths are checked unless traced."""
+    if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise ValueError(f"prompts as an array must be (batch, length) integers, got shape {prompts.shape} "
+                         f"{prompts.dtype}")
+    batch, width = prompts.shape
+    lengths = jnp.full((batch,), width, jnp.int32) if prompt_lengths is None else jnp.asarray(prompt_lengths)
+    if lengths.shape != (batch,):
+        raise ValueError(f"prompt_lengths must have shape ({batch},), one length per prompt, got {lengths.shape}")
+    if batch == 0 or width == 0:
+        raise ValueError("prompts is empty: give at least one prompt of at least one token")
+    if is_concrete(prompts) and is_concrete(lengths):
+        _check_ids(config, np.asarray(prompts)[np.arange(width)[None, :] < np.asarray(lengths)[:, None]])
+        if not np.all((1 <= np.asarray(lengths)) & (np.asarray(lengths) <= width)):
+            raise ValueError(f"prompt_lengths must be in 1…{width} (the prompts' width), got {lengths}")
+    return jnp.asarray(prompts, jnp.int32), lengths.astype(jnp.int32), None
+
+
+def _check_ids(config: GPTConfig, ids: np.ndarray) -> None:
+    outside = (ids < 0) | (ids >= config.vocab_size)
+    if outside.any():
+        bad = ids[outside][0]
+        raise ValueError(f"prompt token {bad} is not an id of this model's vocabulary 0…{config.vocab_size - 1}")
+
+
+# --- small type checks ------------------------------------------------------------------
+
+
+def is_concrete(x) -> bool:
+    """Not a value traced under jit (whose contents cannot be checked)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    """A Python or NumPy integer or float, not a bool."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)

@@ -1,0 +1,118 @@
+"""Tokenizers T: text → Seq(V): character, word and byte-level BPE behind one interface.
+
+A tokenizer is a map T: text → Seq(V) into sequences over the vocabulary
+V = {0, ..., vocab_size - 1}, with a decoder D: Seq(V) → text. Byte-level BPE is lossless,
+D(T(t)) = t for every string t; char is lossless on text whose characters were all seen in
+training (the others become <|unk|>); word keeps words, numbers, punctuation and line breaks,
+and D puts back the spacing of ordinary prose.
+
+Every tokenizer has `encode(text, bos=False, eos=False, allow_special=False) -> list[int]`,
+`decode(ids, keep_special=False) -> str`, `encode_batch(texts, ...)`, `count_unknown(text)`,
+`vocab_size`, the special ids `bos_id eos_id pad_id unk_id` (None where a kind has none),
+`save(path)`; `load(path)` reads any of them back and `train_tokenizer(kind, texts,
+vocab_size)` builds any of them, so data, training and sampling never care which is in use.
+
+Special tokens are the strings <|bos|> <|eos|> <|pad|> <|unk|>. In user text they are
+ordinary characters unless the caller passes `allow_special=True`, so a document that
+happens to contain "<|eos|>" cannot end itself.
+
+Where ids sit (`vocab_size` counts every id, i.e. the rows an embedding table needs):
+
+- char, word: 0 <|bos|>, 1 <|eos|>, 2 <|pad|>, 3 <|unk|>, then the characters or words
+  in code-point order.
+- bpe trained here: 0..255 are the byte values, 256.. the merged tokens in the order they
+  were learned, then <|bos|> <|eos|> <|pad|>. No <|unk|>: every string is a byte string.
+- bpe read from GPT-2 files: the ids of vocab.json; <|endoftext|> serves as both bos and
+  eos, and there is no pad.
+
+A tokenizer file is one JSON object {"format": "jaxgpt-tokenizer", "version": 1, "kind":
+"char" | "word" | "bpe", ...}; loading it only parses JSON and never executes code.
+
+Modules: `base` (the interface, shared helpers), `char_word` (char and word), `bpe`
+(byte-level BPE, GPT-2's files); this one holds the registry of kinds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from jaxgpt.tokenizers.base import (
+    BOS,
+    EOS,
+    FILE_FORMAT,
+    FILE_VERSION,
+    GPT2_END_OF_TEXT,
+    PAD,
+    UNK,
+    Tokenizer,
+)
+from jaxgpt.tokenizers.bpe import GPT2_SPLIT_PATTERN, BPETokenizer
+from jaxgpt.tokenizers.char_word import CharTokenizer, WordTokenizer
+
+__all__ = [
+    "BOS",
+    "EOS",
+    "FILE_FORMAT",
+    "FILE_VERSION",
+    "GPT2_END_OF_TEXT",
+    "GPT2_SPLIT_PATTERN",
+    "KINDS",
+    "PAD",
+    "UNK",
+    "BPETokenizer",
+    "CharTokenizer",
+    "Tokenizer",
+    "WordTokenizer",
+    "from_dict",
+    "load",
+    "train_tokenizer",
+]
+
+KINDS: dict[str, type[Tokenizer]] = {
+    "char": CharTokenizer,
+    "word": WordTokenizer,
+    "bpe": BPETokenizer,
+}
+
+
+def train_tokenizer(
+    kind: str, texts: str | Iterable[str], vocab_size: int | None = None, **options: Any
+) -> Tokenizer:
+    """Train a tokenizer of `kind` ("char", "word" or "bpe") on a string or documents.
+
+    `vocab_size` counts every id, specials included; None means every character or word
+    seen (char, word); BPE needs one. `options` go to the kind's `train` (BPE: `pattern`).
+    """
+    return _kind_class(kind).train(texts, vocab_size=vocab_size, **options)
+
+
+def from_dict(data: Any, source: str = "tokenizer data") -> Tokenizer:
+    """The tokenizer described by a `to_dict` object; errors name `source`."""
+    if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
+        raise ValueError(f'{source} is not a jaxgpt tokenizer (no "format": "{FILE_FORMAT}")')
+    if data.get("version") != FILE_VERSION:
+        raise ValueError(f"{source} has tokenizer format version {data.get('version')!r}; "
+                         f"this jaxgpt reads version {FILE_VERSION} (upgrade jaxgpt or retrain)")
+    try:
+        return _kind_class(data.get("kind"))._from_state(data)
+    except ValueError as err:
+        raise ValueError(f"{source} is a damaged tokenizer file: {err}") from err
+
+
+def load(path: str | os.PathLike) -> Tokenizer:
+    """Read a tokenizer written by `save`. Parses JSON only; never executes code."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is a damaged tokenizer file (not valid JSON: {err})") from err
+    return from_dict(data, source=str(path))
+
+
+def _kind_class(kind: Any) -> type[Tokenizer]:
+    if kind not in KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(KINDS)}")
+    return KINDS[kind]
