@@ -13,6 +13,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jaxgpt.errors import one_line
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
@@ -51,7 +53,8 @@ class Checkpoints:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
         except Exception as error:  # a step whose metadata cannot be read stops orbax from listing any
             if read_only or not _set_aside_unreadable_steps(self.directory, error):
-                raise CheckpointError(f"cannot read the checkpoints in {self.directory} ({_brief(error)})") from error
+                reason = one_line(error, with_type=True)
+                raise CheckpointError(f"cannot read the checkpoints in {self.directory} ({reason})") from error
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
 
     def steps(self) -> list[int]:
@@ -84,7 +87,8 @@ class Checkpoints:
                 )
                 return restored["state"], candidate
             except Exception as error:  # orbax raises many kinds for a damaged directory
-                message = f"checkpoint at step {candidate} in {self.directory} is unreadable ({_brief(error)})"
+                reason = one_line(error, with_type=True)
+                message = f"checkpoint at step {candidate} in {self.directory} is unreadable ({reason})"
                 if step is not None:
                     raise CheckpointError(message) from error
                 log.warning("%s; trying an older one", message)
@@ -111,12 +115,9 @@ class Checkpoints:
                     restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}))))
         except Exception as error:
             raise CheckpointError(
-                f"checkpoint at step {step} in {self.directory} is unreadable ({_brief(error)})"
+                f"checkpoint at step {step} in {self.directory} is unreadable ({one_line(error, with_type=True)})"
             ) from error
         return restored["state"]["params"], step
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -146,14 +147,9 @@ def _set_aside_unreadable_steps(directory: Path, error: Exception) -> bool:
                 json.loads(meta.read_text() or "null")
             except (ValueError, UnicodeDecodeError):
                 target = _move_aside(step_dir)
-                log.warning("checkpoint at step %s is unreadable (%s); moved it to %s", step_dir.name, _brief(error),
+                log.warning("checkpoint at step %s is unreadable (%s); moved it to %s", step_dir.name,
+                            one_line(error, with_type=True),
                             target)
                 moved = True
                 break
     return moved
-
-
-def _brief(error: Exception) -> str:
-    """The first line of an error, short enough for a one-line message."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text[:200]}"

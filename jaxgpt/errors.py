@@ -15,11 +15,14 @@ class DataError(ValueError):
     """A data source, setting or cache that cannot be used; the message says what to do."""
 
 
-def one_line(error: BaseException, limit: int = 200) -> str:
+def one_line(error: BaseException, limit: int = 200, with_type: bool = False) -> str:
     """The first non-empty line of an error's message (at most `limit` characters), or its
-    type's name when it has no message."""
+    type's name when it has no message; `with_type` puts the type's name in front (for
+    errors from inside a library, whose type says more than their text)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0][:limit] if lines else type(error).__name__
+    if not lines:
+        return type(error).__name__
+    return f"{type(error).__name__}: {lines[0][:limit]}" if with_type else lines[0][:limit]
 
 
 class TrainingError(RuntimeError):

@@ -139,7 +139,7 @@ class Dropout(nn.Module):
         return ops.dropout(x, self.rate, self.make_rng("dropout"))
 
 
-def Norm(cfg: GPTConfig, name: str) -> nn.Module:
+def make_norm(cfg: GPTConfig, name: str) -> nn.Module:
     return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](cfg, name=name)
 
 
@@ -219,7 +219,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions, layer_cache=None, deterministic=True):
         cfg = self.cfg
-        ln_1, attn, mlp = Norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
+        ln_1, attn, mlp = make_norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
         drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
         mha = lambda h: attn(h, positions, layer_cache, deterministic=deterministic)  # noqa: E731
 
@@ -227,7 +227,7 @@ class Block(nn.Module):
             h = ln_1(x)
             a, layer_cache = mha(h)
             return x + drop(a) + drop(mlp(h)), layer_cache
-        ln_2 = Norm(cfg, "ln_2")
+        ln_2 = make_norm(cfg, "ln_2")
         if cfg.norm_position == "pre":
             a, layer_cache = mha(ln_1(x))
             y = x + drop(a)
@@ -282,7 +282,7 @@ class GPT(nn.Module):
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])
 
-        x = Norm(cfg, "ln_f")(x)
+        x = make_norm(cfg, "ln_f")(x)
         if cfg.tie_embeddings:  # W_U = Eᵀ
             logits = ops.linear(x.astype(cfg.compute_dtype), wte.embedding.T.astype(cfg.compute_dtype))
         else:

@@ -1,0 +1,212 @@
+"""The house rules of DESIGN.md, checked on the source: imports go downward, no cycles, presets
+import only the config schema, and no module or function outgrows one concern.
+
+Every module of jaxgpt/ is parsed with `ast` (imports inside functions count too). A module
+belongs to a layer; it may import modules of lower layers and, within its own package, its
+siblings (as long as they form no cycle). A new module must be given a layer here, which is
+the moment to decide where it belongs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxgpt"
+
+# Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
+# know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
+LAYERS = (
+    ("errors", "files"),
+    ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics"),
+    ("optim", "data", "model"),
+    ("training", "decoding", "convert"),
+    ("evaluation", "sampling", "beam"),
+    ("text",),
+    ("run",),
+    ("viz", "export"),
+    ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside
+)
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+LONGER_FUNCTIONS = {("run.py", "train"): 80}  # the run loop reads best in one piece
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+
+def imports_of(name: str, source: str, known: set[str]) -> set[str]:
+    """The jaxgpt modules `source` (the module `name`) imports: `from jaxgpt import x` names
+    the module jaxgpt.x when there is one, else the package itself."""
+    found = set()
+    package = name if name in {k.rpartition(".")[0] for k in known} else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "jaxgpt"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package upward
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "jaxgpt":
+                continue
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return found - {name}
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    found = modules(root)
+    return {name: imports_of(name, path.read_text(), set(found)) for name, path in found.items()}
+
+
+def unit(name: str) -> str:
+    """The unit a module's layer is decided by: jaxgpt.data.cache → data; jaxgpt → jaxgpt."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_of(name: str) -> int:
+    for rank, units in enumerate(LAYERS):
+        if unit(name) in units:
+            return rank
+    raise KeyError(name)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a module's own layer or a higher one (other than siblings in one package)."""
+    bad = []
+    for importer, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            same_package = unit(importer) == unit(target) != "jaxgpt"
+            if not same_package and layer_of(target) >= layer_of(importer):
+                bad.append(f"{importer} imports {target} (layer {layer_of(importer)} → {layer_of(target)})")
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle found by a depth-first search, each as the path that closes it."""
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+# --- the rules, on this repository ------------------------------------------------------------
+
+
+def test_every_module_has_a_layer():
+    missing = [name for name in modules() if not any(unit(name) in units for units in LAYERS)]
+    assert not missing, f"give these modules a layer in tests/test_layout.py::LAYERS: {missing}"
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" → ".join(cycle) for cycle in found)
+
+
+def test_imports_go_downward():
+    bad = upward_imports(import_graph())
+    assert not bad, "upward or sideways imports: " + "; ".join(bad)
+
+
+def test_ops_imports_nothing_of_jaxgpt():
+    assert import_graph()["jaxgpt.ops"] == set()
+
+
+@pytest.mark.parametrize("lower", ["data", "tokenizers", "optim"])
+def test_data_tokenizers_and_optim_know_nothing_of_the_model(lower):
+    model_side = {"model", "training", "sampling", "decoding", "beam", "run", "evaluation", "text", "viz"}
+    graph = import_graph()
+    bad = [f"{a} imports {b}" for a, targets in graph.items() if unit(a) == lower
+           for b in targets if unit(b) in model_side]
+    assert not bad, bad
+
+
+def test_configs_import_only_the_config_schema():
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module]
+            else:
+                continue
+            assert set(names) <= {"jaxgpt.config", "__future__"}, f"{path.name} imports {names}"
+
+
+def test_modules_and_functions_fit_on_a_screen():
+    too_long = []
+    for path in modules().values():
+        source = path.read_text()
+        relative = path.relative_to(PACKAGE).as_posix()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{relative}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONGER_FUNCTIONS.get((relative, node.name), MAX_FUNCTION_LINES):
+                    too_long.append(f"{relative}::{node.name}: {length} lines")
+    assert not too_long, "split by concern: " + "; ".join(too_long)
+
+
+# --- the checker itself can fail ----------------------------------------------------------------
+
+
+def write_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "jaxgpt"
+    for relative, source in {"__init__.py": "", **files}.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(source)
+    return root
+
+
+def test_checker_finds_a_cycle_and_names_its_path(tmp_path):
+    root = write_package(tmp_path, {
+        "ops.py": "from jaxgpt import model\n",
+        "model.py": "def f():\n    from jaxgpt.ops import relu\n",  # lazy imports count too
+    })
+    assert cycles(import_graph(root)) == [["jaxgpt.model", "jaxgpt.ops", "jaxgpt.model"]]
+
+
+def test_checker_names_an_upward_import(tmp_path):
+    root = write_package(tmp_path, {
+        "model.py": "import jaxgpt.ops\n",
+        "ops.py": "",
+        "data/__init__.py": "from jaxgpt.data.cache import prepare\n",
+        "data/cache.py": "from jaxgpt.model import GPT\nfrom jaxgpt.data import sources\n",
+        "data/sources.py": "",
+    })
+    assert upward_imports(import_graph(root)) == ["jaxgpt.data.cache imports jaxgpt.model (layer 2 → 2)"]
+
+
+def test_checker_resolves_relative_and_package_imports(tmp_path):
+    root = write_package(tmp_path, {
+        "data/__init__.py": "from .cache import prepare\n",
+        "data/cache.py": "from . import sources\nfrom jaxgpt import errors\n",
+        "data/sources.py": "",
+        "errors.py": "",
+    })
+    graph = import_graph(root)
+    assert graph["jaxgpt.data"] == {"jaxgpt.data.cache"}
+    assert graph["jaxgpt.data.cache"] == {"jaxgpt.data.sources", "jaxgpt.errors"}

@@ -1,0 +1,306 @@
+"""Whole runs (jaxgpt.run and train.py): resume, checkpoints kept and damaged, failures, the
+CLI, kill -9, several processes, signals, and a run directory from before the restructure."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import GPTConfig, sharding
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+WORDS = "the a king queen lord lady speaks comes goes to from with and but now then here there".split()
+
+
+def write_corpus(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))).capitalize() + "." for _ in range(400)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+TINY_OVERRIDES = {
+    "data.tokenizer": "char", "data.val_fraction": 0.2,
+    "model.n_layer": 1, "model.n_head": 2, "model.d_model": 16, "model.block_size": 16,
+    "train.steps": 6, "train.batch_size": 4, "train.eval_batch_size": 4, "train.warmup_steps": 1,
+    "train.decay_steps": 12, "train.eval_every": 3, "train.ckpt_every": 3, "train.log_every": 1,
+    "train.eval_max_batches": 2, "train.peak_flops": 1e9, "sample.max_new_tokens": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+def tiny_config(tmp_path, corpus, run="run", preset=None, **changes):
+    """default_config(), or configs/<preset>.py as train.py loads it, with TINY_OVERRIDES."""
+    from jaxgpt.config import default_config, load_config
+
+    config = load_config(ROOT / "configs" / f"{preset}.py") if preset else default_config()
+    for key, value in {**TINY_OVERRIDES, **changes}.items():
+        *section, name = key.split(".")
+        (config[section[0]] if section else config)[name] = value
+    config.data.source = str(corpus)
+    config.data.cache_dir = str(tmp_path / "cache")
+    config.run_dir = str(tmp_path / run)
+    return config
+
+
+def cli_args(tmp_path, corpus, run="run", **changes):
+    values = {**TINY_OVERRIDES, **changes, "data.source": str(corpus), "data.cache_dir": str(tmp_path / "cache")}
+    return [f"--config.{k}={v}" for k, v in values.items()] + [f"--config.run_dir={tmp_path / run}"]
+
+
+def final_params(run_dir, step=None):
+    from jaxgpt.checkpoint import Checkpoints
+    from jaxgpt.model import GPT
+
+    cfg = GPTConfig.from_dict(json.loads((Path(run_dir) / "config.json").read_text())["model"])
+    abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    checkpoints = Checkpoints(run_dir, read_only=True)
+    params, _ = checkpoints.restore_params(abstract, step=step if step is not None else checkpoints.steps()[-1])
+    checkpoints.close()
+    return params
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+def test_resume_equals_uninterrupted(tmp_path, corpus):
+    from jaxgpt.run import train
+
+    first = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 3}))
+    assert first["step"] == 3
+    resumed = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 6}))
+    whole = train(tiny_config(tmp_path, corpus, "whole", **{"train.steps": 6}))
+    assert resumed["step"] == whole["step"] == 6
+    assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # the resumed run took up at step 4
+
+
+def test_keeps_last_checkpoints_and_best_by_validation_loss(tmp_path, corpus):
+    from jaxgpt.checkpoint import Checkpoints
+    from jaxgpt.run import train
+
+    train(tiny_config(tmp_path, corpus, **{"train.steps": 12, "train.ckpt_every": 2, "train.eval_every": 4,
+                                          "train.keep_checkpoints": 2}))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    best = min(val, key=val.get)
+    checkpoints = Checkpoints(tmp_path / "run", read_only=True)
+    assert set(checkpoints.steps()) == {10, 12} | {best}
+    assert checkpoints.best_step() == best
+    checkpoints.close()
+
+
+def test_resume_modes_and_another_model_in_the_run_dir(tmp_path, corpus):
+    from jaxgpt.run import TrainingError, train
+
+    with pytest.raises(TrainingError, match="resume='must' but .* has no checkpoint"):
+        train(tiny_config(tmp_path, corpus, **{"train.steps": 3}, resume="must"))
+    train(tiny_config(tmp_path, corpus, **{"train.steps": 3}))
+    with pytest.raises(TrainingError, match="resume='never' but .* already holds checkpoints"):
+        train(tiny_config(tmp_path, corpus, **{"train.steps": 6}, resume="never"))
+    with pytest.raises(TrainingError, match="holds a run of another model"):
+        train(tiny_config(tmp_path, corpus, **{"train.steps": 6, "model.d_model": 32}))
+
+
+@pytest.mark.parametrize("damage", ["arrays", "everything"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, caplog, damage):
+    from jaxgpt.run import train
+
+    train(tiny_config(tmp_path, corpus))  # checkpoints at steps 3 and 6
+    for f in (tmp_path / "run" / "checkpoints" / "6").rglob("*"):
+        is_metadata = "METADATA" in f.name or f.parent.name == "metrics" or f.suffix == ".json"
+        if f.is_file() and f.stat().st_size > 0 and (damage == "everything" or not is_metadata):
+            f.write_bytes(b"\0garbage")
+    caplog.set_level("WARNING")
+    result = train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))
+    assert "checkpoint at step 6" in caplog.text and "unreadable" in caplog.text
+    assert result["step"] == 9
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-6:] == [4, 5, 6, 7, 8, 9]  # redone from step 3
+
+
+def test_nan_loss_stops_the_run_naming_the_step(tmp_path, corpus):
+    from jaxgpt.run import TrainingError, train
+
+    with pytest.raises(TrainingError, match=r"non-finite loss .* at step \d+: stopping"):
+        train(tiny_config(tmp_path, corpus, **{"train.lr": 1e30, "train.clip": 0.0, "train.steps": 6}))
+
+
+def run_train_py(args, env=None, timeout=240):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_train_py_end_to_end_then_sample(tmp_path, corpus):
+    out = run_train_py(cli_args(tmp_path, corpus, **{"sample.max_new_tokens": 20, "sample.prompt": "The"}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 6 and "val_loss" in records[-1] and records[-1]["tokens_per_sec"] > 0
+    assert {"train_loss", "lr", "grad_norm", "mfu", "elapsed"} <= set(records[0])
+    assert (run / "checkpoints" / "6").is_dir()
+    assert (run / "loss.png").stat().st_size > 1000
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["model"]["vocab_size"] > 0 and saved["train"]["steps"] == 6
+    sample = (run / "sample.txt").read_text()
+    assert sample.startswith("The") and sample in out.stdout
+    cores = sharding.auto_cpu_devices(sharding.available_cores(), [TINY_OVERRIDES["train.batch_size"]])
+    assert f"{cores} cpu device(s), mesh {{'data': {cores}," in out.stderr  # one device per core
+
+    # sample.py on the run directory these training steps made: streamed, with next-token probabilities
+    sampled = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--run_dir", str(run), "--prompt", "The king",
+                              "--max_new_tokens", "5", "--stream", "--show_probs", "3"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert "The king" in sampled.stdout and "%" in sampled.stdout and "↦" in sampled.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.train.no_such_key=1", "no_such_key"),
+    ("--config.train.steps=many", "steps"),
+])
+def test_train_py_bad_override_is_a_one_line_error(tmp_path, corpus, override, message):
+    out = run_train_py(cli_args(tmp_path, corpus) + [override])
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train.py: ") and message in lines[0], out.stderr
+
+
+def test_train_py_bad_setting_is_a_one_line_error(tmp_path, corpus):
+    out = run_train_py(cli_args(tmp_path, corpus, **{"model.n_head": 3}))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("train.py: GPTConfig.d_model=16 is not divisible by n_head=3")
+
+
+@pytest.mark.parametrize("async_checkpoints", [False, True])
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus, async_checkpoints):
+    """kill -9 mid-run: the next run starts at the newest finished checkpoint, at most
+    ckpt_every steps back with synchronous saves, 2·ckpt_every with asynchronous ones."""
+    import time
+
+    args = cli_args(tmp_path, corpus, **{"train.steps": 100000, "train.decay_steps": 100000,
+                                         "train.ckpt_every": 2, "train.eval_every": 1000,
+                                         "train.async_checkpoints": async_checkpoints})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (checkpoints.is_dir() and any(p.name.isdigit() and int(p.name) >= 6 for p in checkpoints.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 6"
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reached = records[-1]["step"]
+    resume_args = cli_args(tmp_path, corpus, **{"train.steps": reached + 3, "train.decay_steps": 100000,
+                                                "train.ckpt_every": 2, "train.eval_every": 1000})
+    out = run_train_py(resume_args + ["--config.resume=must"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed_from = int(out.stderr.split("resuming at step ")[1].split(";")[0])
+    # `reached` (the last step logged) is at most where the run was killed. A synchronous save
+    # finishes before the next step; an asynchronous one may still be in flight when the kill
+    # lands, and then the newest finished checkpoint is the one ckpt_every steps before it.
+    lost = 2 * (2 if async_checkpoints else 1)
+    assert reached - lost <= resumed_from <= reached
+    assert resumed_from % 2 == 0 and resumed_from >= 6
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_together_like_one(tmp_path, corpus):
+    """Two local processes (one CPU device each) on 127.0.0.1 share each batch, half the rows
+    each, and end where one process with the whole batch ends."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *cli_args(tmp_path, corpus, "pair", **{"mesh.cpu_devices": 1}),
+             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+             "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    assert "2 cpu device(s)" in outputs[0][1]
+    single = run_train_py(cli_args(tmp_path, corpus, "single"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert_trees_close(final_params(tmp_path / "pair"), final_params(tmp_path / "single"), atol=1e-5)
+    losses = [[json.loads(line)["train_loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("pair", "single")]
+    np.testing.assert_allclose(losses[0], losses[1], atol=1e-5)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, corpus):
+    """Preemption: SIGTERM stops after the current step, saves it, and says how to resume."""
+    import signal
+    import time
+
+    args = cli_args(tmp_path, corpus, **{"train.steps": 100000, "train.decay_steps": 100000,
+                                         "train.ckpt_every": 1000, "train.eval_every": 1000})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not reach step 3"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    last_step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert (tmp_path / "run" / "checkpoints" / str(last_step)).is_dir()  # saved where it stopped, not at 1000
+    assert f"stopped by SIGTERM at step {last_step}; the last checkpoint is step {last_step}" in err
+
+
+def test_run_directory_written_before_the_restructure_samples_and_resumes(tmp_path, corpus, capsys):
+    """tests/data/run_v0 was written by train.py at commit aadd5cf, before the loop moved into
+    jaxgpt.run and data and sampling were split: configs/default.py with TINY_OVERRIDES and train.steps=3 on
+    write_corpus's text, one CPU device (the three steps' config.json, tokenizer.json,
+    checkpoint and metrics, as they were). Today's code samples from it, and resumes it to
+    step 6 where an uninterrupted run of today's code ends."""
+    from scripts import load_script
+
+    from jaxgpt.run import load_run, train
+
+    old = tmp_path / "old"
+    shutil.copytree(TESTS / "data" / "run_v0", old)
+    params, cfg, tokenizer = load_run(old)
+    assert cfg.n_layer == 1 and tokenizer.vocab_size <= cfg.vocab_size
+    status = load_script("sample.py").main(["--run_dir", str(old), "--prompt", "The king", "--max_new_tokens", "5",
+                                            "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert out.startswith("The king") and len(out) > len("The king\n")
+
+    resumed = train(tiny_config(tmp_path, corpus, "old", preset="default", **{"mesh.cpu_devices": 0}))
+    fresh = train(tiny_config(tmp_path, corpus, "fresh", preset="default", **{"mesh.cpu_devices": 0}))
+    assert resumed["step"] == fresh["step"] == 6
+    steps = [json.loads(line)["step"] for line in (old / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 3, not started again
+    assert_trees_close(final_params(old), final_params(tmp_path / "fresh"), atol=1e-6)
+    assert resumed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
