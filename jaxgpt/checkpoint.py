@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxgpt.errors import one_line
@@ -28,9 +30,53 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected."""
 
 
+class NonFiniteState(CheckpointError):
+    """A state that holds NaN or ±inf, which is never saved; `path` names the first such tensor."""
+
+    def __init__(self, step: int, path: str):
+        super().__init__(f"step {step}: {path} holds NaN or infinite values; not saving it")
+        self.step, self.path = step, path
+
+
+def tree_checksums(tree) -> dict[str, list[float]]:
+    """Per leaf, [Σx, Σ|x|] in float64 over its elements (each shard counted once, summed over
+    the processes): what a checkpoint records, and what its restored arrays must give again."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    sums = np.zeros((len(leaves), 2))
+    for i, (_, leaf) in enumerate(leaves):
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:
+                data = np.asarray(shard.data, np.float64)
+                sums[i] += (data.sum(), np.abs(data).sum())
+    if jax.process_count() > 1:  # gathered as raw 32-bit words: JAX would round float64 to float32
+        words = multihost_utils.process_allgather(np.ascontiguousarray(sums).view(np.uint32))
+        sums = np.ascontiguousarray(np.asarray(words, np.uint32)).view(np.float64).sum(axis=0)
+    return {jax.tree_util.keystr(path): [float(a), float(b)] for (path, _), (a, b) in zip(leaves, sums, strict=True)}
+
+
+def first_non_finite(checksums: dict[str, list[float]]) -> str | None:
+    """The first tensor whose sums are not finite (it holds a NaN or an infinity), or None."""
+    return next((path for path, (total, size) in checksums.items() if not np.isfinite([total, size]).all()), None)
+
+
+def _mismatch(recorded: dict[str, list[float]], restored: dict[str, list[float]]) -> str | None:
+    """The first tensor whose restored sums differ from the recorded ones beyond the rounding of
+    adding the same float32 values in another order (1e-9 of Σ|x|)."""
+    for path, (total, size) in restored.items():
+        if path not in recorded:
+            continue
+        want_total, want_size = recorded[path]
+        tolerance = 1e-9 * max(want_size, 1e-30)
+        if not (abs(total - want_total) <= tolerance and abs(size - want_size) <= tolerance):
+            return path
+    return None
+
+
 class Checkpoints:
     """run_dir/checkpoints/<step>/state: {'step', 'params', 'opt_state'}, with the validation
-    loss of the step as orbax metrics when it was evaluated."""
+    loss of the step as orbax metrics when it was evaluated, and the checksums of every saved
+    tensor in the step's metadata: a state with a NaN or an infinity is never saved, and a
+    restored state that does not match its checksums counts as damaged."""
 
     def __init__(self, run_dir, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
@@ -49,107 +95,135 @@ class Checkpoints:
             read_only=read_only,
             save_interval_steps=0 if read_only else 1,
         )
+        if not read_only and self.directory.is_dir():
+            _repair_steps(self.directory)
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
-        except Exception as error:  # a step whose metadata cannot be read stops orbax from listing any
-            if read_only or not _set_aside_unreadable_steps(self.directory, error):
-                reason = one_line(error, with_type=True)
-                raise CheckpointError(f"cannot read the checkpoints in {self.directory} ({reason})") from error
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state",))
+        except Exception as error:
+            raise CheckpointError(f"cannot read the checkpoints in {self.directory} "
+                                  f"({one_line(error, with_type=True)}); move the damaged step aside") from error
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: dict, val_loss: float | None = None) -> None:
+        """Save `state` as `step` (asynchronously unless async_save=False); NonFiniteState,
+        and nothing written, when a tensor of it holds NaN or ±inf."""
+        checksums = tree_checksums(state)
+        bad = first_non_finite(checksums)
+        if bad is not None:
+            raise NonFiniteState(step, bad)
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), metrics=metrics,
-                          force=True)
+                          force=True, custom_metadata={"checksums": checksums})
 
     def best_step(self) -> int | None:
         """The step with the lowest validation loss; the latest step when none was evaluated."""
-        scored = [(m["val_loss"], s) for s in self.steps() if (m := self.manager.metrics(s)) and "val_loss" in m]
+        scored = [(m["val_loss"], s) for s in self.steps() if (m := self._metrics(s)) and "val_loss" in m]
         if scored:
             return min(scored)[1]
         return self.manager.latest_step()
+
+    def _metrics(self, step: int) -> dict | None:
+        try:
+            return self.manager.metrics(step)
+        except Exception:  # unreadable metrics cost the step its validation loss, not its place
+            return None
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, int]:
         """Restore onto `abstract_state` (ShapeDtypeStructs carrying the target shardings, so a
         checkpoint written on N devices restores on M). Without `step`, the newest intact one:
         a damaged checkpoint is skipped with a warning. Raises CheckpointError if none is usable."""
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-        if not candidates:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
-        for candidate in candidates:
-            try:
-                restored = self.manager.restore(
-                    candidate, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                        abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)))
-                )
-                return restored["state"], candidate
-            except Exception as error:  # orbax raises many kinds for a damaged directory
-                reason = one_line(error, with_type=True)
-                message = f"checkpoint at step {candidate} in {self.directory} is unreadable ({reason})"
-                if step is not None:
-                    raise CheckpointError(message) from error
-                log.warning("%s; trying an older one", message)
-                if not self.read_only:  # kept aside, so that this step can be written again
-                    _move_aside(self.directory / str(candidate))
-                    self.manager.reload()
-        raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates})")
+        return self._first_intact(candidates, abstract_state, partial=False, explicit=step is not None)
 
     def restore_params(self, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
         """Only the params of a checkpoint (for sampling and evaluation), onto the shardings
-        of `abstract_params`; by default from the best step."""
-        step = self.best_step() if step is None else step
+        of `abstract_params`; by default from the best step, falling back (with a warning) to
+        the newest intact one when it is damaged."""
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract_params = jax.tree.map(
             lambda x: x if getattr(x, "sharding", None) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
             abstract_params,
         )
         if step is None:
+            best = self.best_step()
+            candidates = [] if best is None else [best, *(s for s in sorted(self.steps(), reverse=True) if s != best)]
+        else:
+            candidates = [step]
+        if not candidates:
             raise CheckpointError(f"no checkpoint in {self.directory}: train first, or check the run directory")
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item={"params": abstract_params}, partial_restore=True,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}))))
-        except Exception as error:
-            raise CheckpointError(
-                f"checkpoint at step {step} in {self.directory} is unreadable ({one_line(error, with_type=True)})"
-            ) from error
-        return restored["state"]["params"], step
+        restored, found = self._first_intact(candidates, {"params": abstract_params}, partial=True,
+                                             explicit=step is not None)
+        return restored["params"], found
+
+    def _first_intact(self, candidates: list[int], abstract: Any, partial: bool, explicit: bool):
+        if not candidates:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        for candidate in candidates:
+            try:
+                return self._restore_checked(candidate, abstract, partial), candidate
+            except Exception as error:  # orbax raises many kinds for a damaged directory
+                reason = str(error) if isinstance(error, CheckpointError) else one_line(error, with_type=True)
+                message = f"checkpoint at step {candidate} in {self.directory} is unreadable or damaged ({reason})"
+                if explicit:
+                    raise CheckpointError(message) from error
+                log.warning("%s; trying an older one", message)
+                if not self.read_only:  # kept aside, so that this step can be written again
+                    _move_aside(self.directory / str(candidate))
+                    self.manager.reload()
+        raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates}); "
+                              "start again with another --config.run_dir, or remove this one")
+
+    def _restore_checked(self, step: int, abstract: Any, partial: bool) -> Any:
+        """The state (or its params) of `step`, checked against the checksums it was saved with
+        (checkpoints from before checksums were recorded are only checked to be finite)."""
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            abstract, restore_args=restore_args, partial_restore=partial)))["state"]
+        recorded = (self.manager.metadata(step).custom_metadata or {}).get("checksums", {})
+        checksums = tree_checksums(restored)
+        bad = first_non_finite(checksums) or _mismatch(recorded, checksums)
+        if bad is not None:
+            raise CheckpointError(f"{bad} does not match the checksum it was saved with")
+        return restored
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
 
 
-def _move_aside(step_dir: Path) -> Path:
-    """Move a damaged step directory to ../damaged_checkpoints: kept for inspection, out of
-    orbax's way."""
-    target = step_dir.parent.parent / "damaged_checkpoints" / step_dir.name
+def _move_aside(path: Path, suffix: str = "") -> Path:
+    """Move a damaged step directory (or part of one) to ../damaged_checkpoints: kept for
+    inspection, out of orbax's way."""
+    target = path.parent.parent / "damaged_checkpoints" / f"{path.name}{suffix}"
     target.parent.mkdir(exist_ok=True)
     if target.exists():
-        target = target.with_name(f"{step_dir.name}-{len(list(target.parent.iterdir()))}")
-    step_dir.rename(target)
+        target = target.with_name(f"{target.name}-{len(list(target.parent.iterdir()))}")
+    path.rename(target)
     return target
 
 
-def _set_aside_unreadable_steps(directory: Path, error: Exception) -> bool:
-    """Move aside the step directories whose JSON metadata does not parse, so the intact
-    ones can be listed and restored."""
-    moved = False
+def _repair_steps(directory: Path) -> None:
+    """Judge each step on its own before orbax lists them: a step whose own metadata does not
+    parse is moved aside whole; a step whose metrics do not parse loses only its metrics (its
+    validation loss), never its parameters."""
     for step_dir in sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()):
-        metadata = [p for p in step_dir.rglob("*")
-                    if p.is_file() and ("METADATA" in p.name or p.parent.name == "metrics")]
-        for meta in metadata:
-            try:
-                json.loads(meta.read_text() or "null")
-            except (ValueError, UnicodeDecodeError):
-                target = _move_aside(step_dir)
-                log.warning("checkpoint at step %s is unreadable (%s); moved it to %s", step_dir.name,
-                            one_line(error, with_type=True),
-                            target)
-                moved = True
-                break
-    return moved
+        metrics = step_dir / "metrics"
+        if (metrics / "metrics").is_file() and not _parses(metrics / "metrics", dict):
+            target = _move_aside(metrics, suffix=f"-of-step-{step_dir.name}")
+            log.warning("the metrics of checkpoint step %s are unreadable; moved them to %s (the step is kept, "
+                        "without its validation loss)", step_dir.name, target)
+        metadata = [step_dir / "_CHECKPOINT_METADATA", *step_dir.glob("*/_METADATA")]
+        damaged = next((p for p in metadata if p.is_file() and not _parses(p, dict)), None)
+        if damaged is not None:
+            target = _move_aside(step_dir)
+            log.warning("checkpoint at step %s is unreadable (%s does not parse); moved it to %s", step_dir.name,
+                        damaged.relative_to(step_dir), target)
+
+
+def _parses(path: Path, kind: type) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text(encoding="utf-8")), kind)
+    except (ValueError, UnicodeDecodeError, OSError):
+        return False

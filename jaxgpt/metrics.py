@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,7 @@ class MetricsLog:
         from tqdm.auto import tqdm
 
         self.enabled = enabled
-        self.file = open(Path(run_dir) / METRICS_FILE, "a") if enabled else None  # noqa: SIM115  closed in close()
+        self.file = _open_for_whole_lines(Path(run_dir) / METRICS_FILE) if enabled else None
         self.tensorboard = _tensorboard(Path(run_dir)) if enabled else None
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not enabled, file=sys.stderr, mininterval=0.5)
@@ -114,7 +115,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write((json.dumps(record) + "\n").encode())  # one write of a whole line
         self.file.flush()
         if self.tensorboard is not None:
             for key, value in record.items():
@@ -142,6 +143,18 @@ class MetricsLog:
             self.tensorboard.close()
 
 
+def _open_for_whole_lines(path: Path):
+    """metrics.jsonl opened for appending; a last line cut short (the process was killed while
+    writing it) is ended first, so the next record starts a line of its own."""
+    file = open(path, "ab")  # noqa: SIM115  closed in MetricsLog.close
+    if file.tell() > 0:
+        with open(path, "rb") as existing:
+            existing.seek(-1, 2)
+            if existing.read(1) != b"\n":
+                file.write(b"\n")
+    return file
+
+
 def _tensorboard(run_dir: Path):
     try:
         from tensorboardX import SummaryWriter
@@ -151,11 +164,27 @@ def _tensorboard(run_dir: Path):
 
 
 def read_metrics(run_dir) -> list[dict]:
-    """The records of a run's metrics.jsonl, in the order written ([] when there is none)."""
+    """The records of a run's metrics.jsonl, in the order written ([] when there is none). A
+    damaged line (a torn write, an edit) is skipped with one warning naming the file and line."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, damaged = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            damaged.append(number)
+    if damaged:
+        more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+        warnings.warn(f"{path}:{damaged[0]}{more}: not a metrics record; skipped", stacklevel=2)
+    return records
 
 
 def current_records(records: list[dict]) -> list[dict]:

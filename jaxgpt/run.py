@@ -28,11 +28,12 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from jaxgpt import convert, data, metrics, sharding, tokenizers
-from jaxgpt.checkpoint import Checkpoints
+from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
 from jaxgpt.config import RESUME, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.evaluation import evaluate_tokens
 from jaxgpt.files import write_json
+from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import GPT, flops_per_token
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.training import TrainState, make_train_step, sharded_init
@@ -58,6 +59,7 @@ class Run:
     checkpoints: Checkpoints
     resuming: bool
     mesh: Mesh
+    lock: RunLock
 
     @property
     def lead(self) -> bool:
@@ -90,11 +92,47 @@ def resume_policy(resume: str, checkpoints: Checkpoints) -> bool:
 
 
 def open_run(config) -> Run:
-    """Open (or start) the run directory of `config`: decide whether to resume, prepare the
-    data, fix the model config, write config.json and tokenizer.json, and make the mesh."""
+    """Open (or start) the run directory of `config` and lock it for this process: decide
+    whether to resume, prepare the data, fix the model config, write config.json and
+    tokenizer.json, and make the mesh. `train` releases the lock when the run ends."""
     train_cfg = TrainConfig.from_mapping(config.train)
-    directory = Path(config.run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = make_run_dir(config.run_dir)
+    lock = RunLock(directory)
+    if jax.process_index() == 0:  # one lock per run, however many processes share it
+        note = _acquire(lock)
+        if note:
+            print(f"jaxgpt: {note}", file=sys.stderr)
+    try:
+        return _open_locked(config, train_cfg, directory, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def make_run_dir(run_dir: str) -> Path:
+    """The run directory, made if needed; a one-line ConfigError when it cannot be."""
+    directory = Path(run_dir)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"run_dir={run_dir!r} is a file, not a directory: choose another --config.run_dir")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot make run_dir={run_dir!r} ({error.strerror}): choose another --config.run_dir") \
+            from None
+    return directory
+
+
+def _acquire(lock: RunLock) -> str | None:
+    try:
+        return lock.acquire()
+    except LockHeld as error:
+        raise TrainingError(str(error)) from None
+    except OSError as error:  # a read-only file system, a directory without write permission
+        raise ConfigError(f"cannot write in run_dir {lock.path.parent} ({error.strerror}): choose a writable "
+                          "--config.run_dir") from None
+
+
+def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock) -> Run:
     checkpoints = Checkpoints(directory, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpoints)
     resuming = resume_policy(config.resume, checkpoints)
     tokenizer = None
@@ -105,20 +143,33 @@ def open_run(config) -> Run:
         raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
                          "or give data.val_source")
     cfg = model_config(config, corpus.tokenizer.vocab_size)
+    if resuming:
+        _check_same_run(directory, cfg, corpus.tokenizer)
+    resolved = {**config.to_dict(), "model": cfg.to_dict(), "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
+    if jax.process_index() == 0:
+        write_json(directory / CONFIG_FILE, resolved)
+        if not (directory / TOKENIZER_FILE).exists():  # pinned from the first step on: never rewritten
+            corpus.tokenizer.save(directory / TOKENIZER_FILE)
+    mesh = sharding.make_mesh(config.mesh)
+    _check_batch_sizes(train_cfg, mesh)
+    return Run(ConfigDict(resolved), train_cfg, cfg, directory, corpus, checkpoints, resuming, mesh, lock)
+
+
+def _check_same_run(directory: Path, cfg: GPTConfig, tokenizer: tokenizers.Tokenizer) -> None:
+    """A resume continues the run in the directory: the same model, and the same tokenizer
+    (its checkpoints mean nothing under another mapping of ids to text)."""
     saved_path = directory / CONFIG_FILE
-    if resuming and saved_path.exists():
+    if saved_path.exists():
         saved_model = json.loads(saved_path.read_text()).get("model")
         if saved_model != cfg.to_dict():
             raise TrainingError(f"{directory} holds a run of another model ({saved_model}); resume it with its own "
                                 "config or choose another --config.run_dir")
-    resolved = config.to_dict()
-    resolved["model"] = cfg.to_dict()
-    if jax.process_index() == 0:
-        write_json(saved_path, resolved)
-        corpus.tokenizer.save(directory / TOKENIZER_FILE)
-    mesh = sharding.make_mesh(config.mesh)
-    _check_batch_sizes(train_cfg, mesh)
-    return Run(ConfigDict(resolved), train_cfg, cfg, directory, corpus, checkpoints, resuming, mesh)
+    pinned_path = directory / TOKENIZER_FILE
+    if pinned_path.exists() and tokenizers.load(pinned_path) != tokenizer:
+        raise TrainingError(f"the data now makes another tokenizer than {pinned_path}, which this run's checkpoints "
+                            f"were trained with: resume with the run's own data, or set --config.data.tokenizer="
+                            f"{pinned_path} to read new data with the run's tokenizer, or choose another "
+                            "--config.run_dir")
 
 
 def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
@@ -222,6 +273,7 @@ class StopRequested:
         if self.signal_name is not None:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
+        print(f"jaxgpt: {self.signal_name}: stopping at the next safe point (again to stop at once)", file=sys.stderr)
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -232,8 +284,21 @@ class StopRequested:
 def train(config) -> dict:
     """Run training as the config says (jaxgpt.config.default_config() lists every key);
     returns the final metrics, the step reached and what stopped it early, if anything.
-    Call sharding.start_jax(config) first for one CPU device per core or several hosts."""
-    run = open_run(config)
+    Call sharding.start_jax(config) first for one CPU device per core or several hosts.
+
+    SIGINT/SIGTERM at any moment (preparing data, compiling, training) stop the run at the
+    next safe point with the last checkpoint written; a second signal stops at once."""
+    with StopRequested() as stop:
+        run = open_run(config)
+        try:
+            return _train(run, stop)
+        finally:
+            run.checkpoints.close()
+            run.lock.release()
+
+
+def _train(run: Run, stop: StopRequested) -> dict:
+    """The loop: init or restore, then for each step train, log, evaluate and save."""
     tc = run.train
     optimizer = make_optimizer(tc)
     key = jax.random.key(tc.seed)
@@ -244,8 +309,8 @@ def train(config) -> dict:
         tc.peak_flops))
     log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
     log.message(_announcement(run, start_step, tokens_per_step, meter.peak))
-    step, last_val, interrupted = start_step, None, None
-    with train_batches(run, start_step) as batches, StopRequested() as stop:
+    step, last_val, interrupted = start_step, None, stop.signal_name  # a signal while starting: no step
+    with train_batches(run, start_step if not interrupted else tc.steps) as batches:
         try:
             for _, batch in batches:
                 state, step_metrics = train_step(state, batch, jax.random.fold_in(key, step))
@@ -255,7 +320,7 @@ def train(config) -> dict:
                 do_eval = step == tc.steps or step % tc.eval_every == 0
                 do_save = do_eval or step % tc.ckpt_every == 0 or stopping
                 if do_save or step % tc.log_every == 0:
-                    _check_finite(meter.fetch(), run)
+                    _check_finite(meter.fetch(), run, state)
                     record = meter.record(step)
                     if do_eval:
                         last_val = evaluate(run, state.params)
@@ -263,7 +328,7 @@ def train(config) -> dict:
                         log.message(_evaluation_line(step, record))
                     log.write(record)
                     if do_save:
-                        run.checkpoints.save(step, state.to_dict(), val_loss=last_val["val_loss"] if do_eval else None)
+                        _save(run, step, state, last_val["val_loss"] if do_eval else None)
                     log.progress(meter.restart_clock(), record)  # evaluation and saving are not training time
                 if stopping:
                     interrupted = stopping
@@ -271,24 +336,45 @@ def train(config) -> dict:
         except KeyboardInterrupt:  # a second signal: stop at once, the last checkpoint stands
             interrupted = "a second signal"
         finally:
-            run.checkpoints.close()
             log.close()
     if interrupted and run.lead:
+        run.checkpoints.manager.wait_until_finished()
         print(_stopped_line(run, interrupted, step), file=sys.stderr)
     return {"step": step, "train_loss": meter.last["loss"], "interrupted": interrupted,
             "run_dir": str(run.directory), **(last_val or {})}
 
 
-def _check_finite(fetched: list[tuple[int, dict]], run: Run) -> None:
-    """Stop on the first non-finite loss or gradient norm, naming the step and the last good
-    checkpoint."""
+def _check_finite(fetched: list[tuple[int, dict]], run: Run, state: TrainState) -> None:
+    """Stop on the first non-finite loss or gradient norm, naming the step, the first tensor of
+    the state that went bad (if any), and the last good checkpoint."""
     for step, values in fetched:
-        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
-            good = run.checkpoints.steps()
-            raise TrainingError(
-                f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) at step {step}: "
-                f"stopping. The last good checkpoint is {'step ' + str(good[-1]) if good else 'none'} in "
-                f"{run.directory}; lower train.lr or raise train.warmup_steps and resume")
+        if math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"]):
+            continue
+        bad = first_non_finite(tree_checksums(state.to_dict()))
+        if bad is not None:
+            cause = (f"the first tensor of the train state to hold NaN or ±inf is {bad}: the updates diverged "
+                     "(lower train.lr, raise train.warmup_steps, keep train.clip and train.eps > 0)")
+        else:
+            cause = (f"the parameters and optimizer state are still finite, so the batch of step {step} or the "
+                     "model's arithmetic made it (check the data; float16 overflows where bfloat16 does not)")
+        raise TrainingError(f"non-finite loss ({values['loss']}) or gradient norm ({values['grad_norm']}) at step "
+                            f"{step}: stopping; {cause}. {_last_good(run)}")
+
+
+def _save(run: Run, step: int, state: TrainState, val_loss: float | None) -> None:
+    """Save a checkpoint; a state that holds NaN or ±inf is never saved and stops the run."""
+    try:
+        run.checkpoints.save(step, state.to_dict(), val_loss=val_loss)
+    except NonFiniteState as error:
+        raise TrainingError(f"{error}: the updates diverged (lower train.lr, raise train.warmup_steps, keep "
+                            f"train.clip and train.eps > 0). {_last_good(run)}") from None
+
+
+def _last_good(run: Run) -> str:
+    run.checkpoints.manager.wait_until_finished()
+    good = run.checkpoints.steps()
+    return (f"The last good checkpoint is {'step ' + str(good[-1]) if good else 'none'} in {run.directory}; change "
+            "the setting at fault and run again to resume from it")
 
 
 def _announcement(run: Run, start_step: int, tokens_per_step: int, peak: float | None) -> str:
@@ -305,6 +391,6 @@ def _evaluation_line(step: int, record: dict[str, Any]) -> str:
 
 
 def _stopped_line(run: Run, interrupted: str, step: int) -> str:
-    saved = Checkpoints(run.directory, read_only=True).steps()
+    saved = run.checkpoints.steps()
     return (f"stopped by {interrupted} at step {step}; the last checkpoint is step {saved[-1] if saved else 'none'} "
             f"in {run.directory}. Run the same command again to resume.")

@@ -5,6 +5,7 @@ tests wrote. Multi-device tests run in subprocesses with fake CPU devices, so th
 keeps its single device.
 """
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -24,7 +26,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgpt import data, tokenizers
-from jaxgpt.data import DataError
+from jaxgpt.data import DataError, cache
 from jaxgpt.tokenizers import Tokenizer
 
 fast = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
@@ -424,10 +426,125 @@ def test_cache_is_reused_when_nothing_changed(tmp_path, encode_calls):
     first = data.prepare(config(tmp_path, source=str(root)))
     assert len(encode_calls) == len(DOCS)
     encode_calls.clear()
-    again = data.prepare(config(tmp_path, source=str(root), eval_stride=3))  # not a token setting
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an intact cache passes its checks without a word
+        again = data.prepare(config(tmp_path, source=str(root), eval_stride=3))  # not a token setting
     assert encode_calls == [] and again.directory == first.directory
     np.testing.assert_array_equal(again.train, first.train)
     assert cache_entries(tmp_path) == [first.directory.name]
+
+
+def test_meta_records_the_blake2b_checksum_of_each_token_file(tmp_path):
+    corpus = data.prepare(config(tmp_path, source=str(write_files(tmp_path / "c", DOCS)), val_fraction=0.25))
+    for split in ("train", "val"):
+        content = (corpus.directory / f"{split}.bin").read_bytes()
+        assert corpus.meta["splits"][split]["blake2b"] == hashlib.blake2b(content, digest_size=16).hexdigest()
+
+
+def change_ids(path, fraction, vocab_size):
+    """Change `fraction` of a uint16 token file's ids, in place, each to another id of the
+    vocabulary: damage that no range check can see."""
+    tokens = np.memmap(path, dtype=np.uint16, mode="r+")
+    rng = np.random.default_rng(0)
+    where = rng.choice(len(tokens), size=round(fraction * len(tokens)), replace=False)
+    tokens[where] = (tokens[where] + rng.integers(1, vocab_size, len(where))) % vocab_size
+    tokens.flush()
+    return len(where)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Check token files 4 ids at a time, so that even tiny files take many chunks."""
+    monkeypatch.setattr(cache, "CHECK_CHUNK_BYTES", 8)
+
+
+def test_ids_changed_to_other_valid_ids_are_found_and_prepare_rebuilds(tmp_path, encode_calls, small_chunks):
+    root = write_files(tmp_path / "corpus", DOCS)
+    first = data.prepare(config(tmp_path, source=str(root)))
+    path, vocab_size, original = first.directory / "train.bin", first.tokenizer.vocab_size, np.array(first.train)
+    changed = change_ids(path, 0.1, vocab_size)
+    damaged = np.fromfile(path, np.uint16)
+    assert changed >= 10 and np.count_nonzero(damaged != original) == changed
+    assert damaged.max() < vocab_size
+
+    with pytest.raises(DataError) as refused:
+        data.open_corpus(first.directory)
+    assert str(refused.value) == (f"the token cache {first.directory} is damaged (train.bin does not match its "
+                                  f"checksum); delete {first.directory} to rebuild it")
+    encode_calls.clear()
+    with pytest.warns(UserWarning, match=r"train.bin does not match its checksum\): deleting it and building"):
+        rebuilt = data.prepare(config(tmp_path, source=str(root)))
+    assert encode_calls and rebuilt.directory == first.directory
+    assert documents(rebuilt.train, rebuilt.tokenizer) == DOCS_IN_ORDER  # the source's tokens again
+    assert cache_entries(tmp_path) == [rebuilt.directory.name]  # the damaged copy is gone
+    encode_calls.clear()
+    assert data.prepare(config(tmp_path, source=str(root))).meta == rebuilt.meta and encode_calls == []
+
+
+def test_an_id_outside_the_vocabulary_is_named_with_its_file_and_position(tmp_path, small_chunks):
+    root = write_files(tmp_path / "corpus", DOCS)
+    first = data.prepare(config(tmp_path, source=str(root), val_fraction=0.25))
+    vocab_size, original = first.tokenizer.vocab_size, np.array(first.val)
+    tokens = np.memmap(first.directory / "val.bin", dtype=np.uint16, mode="r+")
+    tokens[[5, 9]] = vocab_size + 7, vocab_size  # in the second and third chunks of 4 ids
+    tokens.flush()
+    with pytest.raises(DataError, match=rf"is damaged \(val.bin holds id {vocab_size + 7} at position 5, outside the "
+                                        rf"tokenizer's {vocab_size} ids\); delete .* to rebuild it"):
+        data.open_corpus(first.directory)
+    with pytest.warns(UserWarning, match=f"val.bin holds id {vocab_size + 7}"):
+        rebuilt = data.prepare(config(tmp_path, source=str(root), val_fraction=0.25))
+    np.testing.assert_array_equal(rebuilt.val, original)
+
+
+def test_a_tokenizer_that_gives_ids_outside_its_vocabulary_writes_no_cache(tmp_path, monkeypatch):
+    root = write_files(tmp_path / "corpus", DOCS)
+    tokenizer = tokenizers.train_tokenizer("char", list(DOCS.values()))
+    original = Tokenizer.encode
+    calls = []
+
+    def off_by_one(self, text, *args, **kwargs):
+        calls.append(text)
+        ids = original(self, text, *args, **kwargs)
+        return ids + [self.vocab_size] if len(calls) == 2 else ids
+
+    monkeypatch.setattr(Tokenizer, "encode", off_by_one)
+    with pytest.raises(DataError, match=rf"the char tokenizer gave id {tokenizer.vocab_size}, outside its "
+                                        rf"{tokenizer.vocab_size} ids, for document 2 of train.bin"):
+        data.prepare(config(tmp_path, source=str(root)), tokenizer=tokenizer)
+    assert cache_entries(tmp_path) == []
+
+
+def as_version_1(directory):
+    """Make a cache look as jaxgpt's first cache format wrote it: version 1, no checksums."""
+    meta = json.loads((directory / "meta.json").read_text())
+    meta["version"] = 1
+    for counts in meta["splits"].values():
+        del counts["blake2b"]
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_cache_of_the_first_version_is_never_trusted(tmp_path, encode_calls, monkeypatch):
+    root = write_files(tmp_path / "corpus", DOCS)
+    current = cache.CACHE_VERSION
+    monkeypatch.setattr(cache, "CACHE_VERSION", 1)
+    old = data.prepare(config(tmp_path, source=str(root)))
+    as_version_1(old.directory)
+    monkeypatch.setattr(cache, "CACHE_VERSION", current)
+
+    encode_calls.clear()
+    new = data.prepare(config(tmp_path, source=str(root)))
+    assert encode_calls and new.directory != old.directory  # the version is part of the fingerprint
+    assert documents(new.train, new.tokenizer) == DOCS_IN_ORDER
+    with pytest.raises(DataError, match=rf"{old.directory} is not one this jaxgpt reads \(format 'jaxgpt-tokens' "
+                                        rf"version 1, not 'jaxgpt-tokens' version {current}\); delete"):
+        data.open_corpus(old.directory)
+
+    as_version_1(new.directory)  # an old cache where this version's belongs is replaced, not refused
+    encode_calls.clear()
+    with pytest.warns(UserWarning, match="version 1.*building it anew"):
+        again = data.prepare(config(tmp_path, source=str(root)))
+    assert encode_calls and again.directory == new.directory and again.meta["version"] == current
+    assert documents(again.train, again.tokenizer) == DOCS_IN_ORDER
 
 
 def test_cache_is_rebuilt_when_the_source_or_tokenizer_changes(tmp_path, encode_calls):

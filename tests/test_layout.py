@@ -21,7 +21,7 @@ PACKAGE = ROOT / "jaxgpt"
 # know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
 LAYERS = (
     ("errors", "files"),
-    ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics"),
+    ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("optim", "data", "model"),
     ("training", "decoding", "convert"),
     ("evaluation", "sampling", "beam"),

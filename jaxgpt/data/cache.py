@@ -10,6 +10,12 @@ identity), the tokenizer and every setting that changes the tokens, so a matchin
 reused and any change makes a new one. A build happens in a hidden `.partial` directory
 renamed into place when complete, so an interrupted build leaves nothing that is later read.
 The corpus is held in memory while it is tokenized.
+
+Integrity: meta.json records each split's BLAKE2b-128 checksum (`b2sum -l 128 train.bin`
+prints the same), and every id is checked to lie within the tokenizer's vocabulary when the
+cache is written and each time it is opened (one pass over the memory map, about a second
+per GB). A cache that fails either check, or that another version of jaxgpt wrote, is
+damaged: `open_corpus` refuses it, and `prepare` warns, deletes it and builds it anew.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import re
 import shutil
 import socket
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,8 +47,19 @@ from jaxgpt.tokenizers import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = "jaxgpt-tokens"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: meta.json records each split's checksum
 SPLITS = ("train", "val")
+CHECKSUM_BYTES = 16  # BLAKE2b-128: accidental damage goes unnoticed with probability 2⁻¹²⁸
+CHECK_CHUNK_BYTES = 1 << 20  # the memory map is checked 1 MiB at a time, which stays in cache
+
+
+class DamagedCacheError(DataError):
+    """A cache directory whose token files cannot be trusted (damaged, or another version's):
+    `open_corpus` says to delete it; `prepare` deletes and rebuilds it."""
+
+    def __init__(self, directory: Path, problem: str):
+        super().__init__(f"the token cache {directory} {problem}; delete {directory} to rebuild it")
+        self.problem = problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +70,8 @@ class Corpus:
     train, val: the token ids of each split as read-only 1-D arrays (np.memmap of the
       cache files; an empty split is an empty array). Documents are separated by
       `tokenizer.eos_id`, so a new document follows each <|eos|>.
-    meta: the contents of meta.json (fingerprint, token/byte/document counts per split, …).
+    meta: the contents of meta.json (fingerprint; per split the token, byte and document
+      counts and the checksum; …).
     directory: the cache directory the arrays map.
     """
 
@@ -76,7 +95,8 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> 
 
     The tokens are made by `tokenizer` when one is given (data.tokenizer is then not read),
     else by the tokenizer data.tokenizer names: a kind to train on the train split, or a
-    saved tokenizer's file."""
+    saved tokenizer's file. A cache that fails `open_corpus`'s checks (damaged, or another
+    version's) is deleted and built anew, with a warning."""
     settings = DataConfig.from_mapping(data_cfg)
     if tokenizer is None and settings.tokenizer not in tokenizers.KINDS:
         tokenizer = _load_tokenizer_file(settings.tokenizer)
@@ -101,7 +121,13 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> 
     directory = settings.cache_path / f"{name}-{fingerprint[:16]}"
     if not (directory / "meta.json").is_file():
         _build(directory, fingerprint, source, val_source, settings, tokenizer)
-    corpus = open_corpus(directory, tokenizer=tokenizer)
+    try:
+        corpus = open_corpus(directory, tokenizer=tokenizer)
+    except DamagedCacheError as err:
+        warnings.warn(f"the token cache {directory} {err.problem}: deleting it and building it anew", stacklevel=2)
+        _discard(directory)
+        _build(directory, fingerprint, source, val_source, settings, tokenizer)
+        corpus = open_corpus(directory, tokenizer=tokenizer)
     if corpus.meta["fingerprint"] != fingerprint:
         raise DataError(f"the token cache {directory} belongs to other data; delete it")
     return corpus
@@ -131,8 +157,10 @@ def resolve_source(spec: str, settings: DataConfig) -> Source:
 
 
 def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None) -> Corpus:
-    """Map a cache directory written by `prepare`; with `tokenizer`, check that it is the one
-    the tokens were made with (e.g. the tokenizer saved in a run being resumed)."""
+    """Map a cache directory written by `prepare`, after checking each split against its
+    checksum and the tokenizer's vocabulary (a `DamagedCacheError` says which file failed);
+    with `tokenizer`, check that it is the one the tokens were made with (e.g. the tokenizer
+    saved in a run being resumed)."""
     directory = Path(directory)
     try:
         meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
@@ -140,11 +168,10 @@ def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None
         raise DataError(f"{directory} is not a prepared corpus (no meta.json); run prepare") \
             from None
     except json.JSONDecodeError:
-        raise DataError(f"{directory}/meta.json is damaged; delete {directory} to rebuild it") \
-            from None
+        raise DamagedCacheError(directory, "is damaged (meta.json is not valid JSON)") from None
     if (meta.get("format"), meta.get("version")) != (CACHE_FORMAT, CACHE_VERSION):
-        raise DataError(f"{directory} is not a token cache this jaxgpt reads (format "
-                        f"{meta.get('format')!r} version {meta.get('version')!r}); delete it")
+        raise DamagedCacheError(directory, f"is not one this jaxgpt reads (format {meta.get('format')!r} version "
+                                           f"{meta.get('version')!r}, not {CACHE_FORMAT!r} version {CACHE_VERSION})")
     tokenizer_file = directory / "tokenizer.json"
     cached = tokenizers.load(tokenizer_file)
     if _sha256(tokenizer_file.read_bytes()) != meta["tokenizer"]["sha256"] or (
@@ -160,14 +187,36 @@ def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None
         count = meta["splits"][split]["tokens"]
         path = directory / f"{split}.bin"
         if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
-            raise DataError(f"{path} is missing or has the wrong size for {count} tokens; "
-                            f"delete {directory} to rebuild it")
+            raise DamagedCacheError(directory, f"is damaged ({path.name} is missing or has the wrong size for "
+                                               f"{count} tokens)")
         if count:
             arrays[split] = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
         else:  # mmap cannot map an empty file
             arrays[split] = np.empty(0, dtype)
             arrays[split].flags.writeable = False
+        problem = _check_tokens(arrays[split], meta["splits"][split].get("blake2b"), cached.vocab_size)
+        if problem:
+            raise DamagedCacheError(directory, f"is damaged ({path.name} {problem})")
     return Corpus(cached, arrays["train"], arrays["val"], meta, directory)
+
+
+def _check_tokens(tokens: np.ndarray, checksum: str | None, vocab_size: int) -> str | None:
+    """What is wrong with a split's token array, or None: an id outside the vocabulary (the
+    first one), or a checksum other than the one recorded. One pass, a chunk at a time."""
+    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    step = CHECK_CHUNK_BYTES // tokens.itemsize
+    for start in range(0, len(tokens), step):
+        chunk = tokens[start:start + step]
+        digest.update(chunk)
+        if chunk.max() >= vocab_size:
+            position = int(np.argmax(chunk >= vocab_size))
+            return (f"holds id {chunk[position]} at position {start + position}, outside the tokenizer's "
+                    f"{vocab_size} ids")
+    if checksum is None:
+        return "has no checksum in meta.json"
+    if digest.hexdigest() != checksum:
+        return "does not match its checksum"
+    return None
 
 
 def _build(directory: Path, fingerprint: str, source: Source, val_source: Source | None,
@@ -176,7 +225,7 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
     into place: a reader sees either nothing or a complete cache."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(directory)
-    partial = directory.parent / f".{directory.name}.{socket.gethostname()}.{os.getpid()}.partial"
+    partial = _partial_path(directory)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
@@ -228,6 +277,24 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def _partial_path(directory: Path) -> Path:
+    """This process's private directory beside `directory`; a dead process's is removed by
+    the next build (`_remove_abandoned_builds`)."""
+    return directory.parent / f".{directory.name}.{socket.gethostname()}.{os.getpid()}.partial"
+
+
+def _discard(directory: Path) -> None:
+    """Delete a published cache: renamed out of the way first (atomically, so no reader sees
+    half a cache), then removed. Readers that mapped its files keep reading them."""
+    doomed = _partial_path(directory)
+    shutil.rmtree(doomed, ignore_errors=True)
+    try:
+        directory.rename(doomed)
+    except FileNotFoundError:
+        return  # another process discarded it first
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _remove_abandoned_builds(directory: Path) -> None:
     """Delete partial builds of `directory` left by processes of this host that died."""
     host = socket.gethostname()
@@ -248,20 +315,26 @@ def _process_alive(pid: int) -> bool:
 
 
 def _write_tokens(path: Path, documents: Sequence[str], tokenizer: Tokenizer,
-                  dtype: type) -> dict[str, int]:
-    """Write the documents' ids with <|eos|> between documents; return the split's counts."""
-    eos = np.array([tokenizer.eos_id], dtype)
+                  dtype: type) -> dict[str, Any]:
+    """Write the documents' ids with <|eos|> between documents; return the split's counts and
+    the checksum of the file."""
+    eos = np.array([tokenizer.eos_id], dtype).tobytes()
+    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
     tokens = text_bytes = 0
     with open(path, "wb") as file:
         for i, document in enumerate(documents):
-            ids = np.asarray(tokenizer.encode(document), dtype)
-            if i:
-                file.write(eos.tobytes())
-                tokens += 1
-            file.write(ids.tobytes())
-            tokens += len(ids)
+            ids = np.asarray(tokenizer.encode(document), np.int64)
+            if len(ids) and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
+                bad = ids.min() if ids.min() < 0 else ids.max()
+                raise DataError(f"the {tokenizer.kind} tokenizer gave id {bad}, outside its {tokenizer.vocab_size} "
+                                f"ids, for document {i + 1} of {path.name}; the tokenizer is inconsistent: "
+                                "train it anew or use another")
+            written = (eos if i else b"") + ids.astype(dtype).tobytes()
+            file.write(written)
+            digest.update(written)
+            tokens += len(ids) + (1 if i else 0)
             text_bytes += len(document.encode("utf-8"))
-    return {"tokens": tokens, "bytes": text_bytes, "documents": len(documents)}
+    return {"tokens": tokens, "bytes": text_bytes, "documents": len(documents), "blake2b": digest.hexdigest()}
 
 
 def _sha256(data: bytes) -> str:
