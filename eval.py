@@ -13,6 +13,16 @@ Splits: a run is evaluated by default on the validation split it held out while 
 way). 'train' is the rest and 'all' the whole source. A Hugging Face model was trained on
 none of it, so 'all' is its default; 'val' holds out --val_fraction (default 0.1) as a run
 would. The work is done by jaxgpt.data and jaxgpt.evaluation.
+
+Unknown tokens: text a character or word tokenizer has no token for becomes <|unk|>, which a
+model learns to predict cheaply, so a loss over it flatters the model. "unknown_fraction" is
+the share of <|unk|> among the split's targets (every token after the first; 0 for a
+byte-level BPE, which has no <|unk|>). Above --max_unknown (default 1%) eval.py refuses.
+--mask_unknown leaves <|unk|> targets out of the loss ("unknown_masked" says how many; they
+still serve as inputs): the loss and perplexity are then over the known targets, and bits
+per byte divide by the bytes of the text those targets stand for (each token's own UTF-8
+bytes; a word tokenizer's spaces between words are not counted, which errs towards more
+bits per byte), not by the split's average, which the unknown text would inflate.
 """
 
 from __future__ import annotations
@@ -47,6 +57,10 @@ def parse_args(argv):
                                                        f"else {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--max_batches", type=int, help="evaluate only the first N batches (default: all)")
     parser.add_argument("--cache_dir", help="where token files are cached (default: the run's, else jaxgpt's)")
+    parser.add_argument("--max_unknown", type=float, default=0.01,
+                        help="the largest share of <|unk|> targets accepted (default 0.01)")
+    parser.add_argument("--mask_unknown", action="store_true",
+                        help="leave <|unk|> targets out of the loss instead of refusing text with many")
     return parser.parse_args(argv)
 
 
@@ -59,6 +73,8 @@ def check_args(args) -> None:
                              f"got {value}")
     if args.val_fraction is not None and not 0 <= args.val_fraction < 1:
         raise ValueError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
+    if not 0 <= args.max_unknown <= 1:
+        raise ValueError(f"--max_unknown must be in [0, 1], got {args.max_unknown}")
     if args.hf_dir is not None:
         if args.data is None:
             raise ValueError("--hf_dir needs --data: the text to evaluate the model on")
@@ -94,6 +110,23 @@ def data_config(args, saved: dict, split: str) -> dict:
     return values
 
 
+def check_unknown(args, tokens, tokenizer, where: str) -> tuple[float, float | None]:
+    """(the share of <|unk|> targets, the bytes per counted target when they are masked, else
+    None); a share above --max_unknown without --mask_unknown is an error."""
+    from jaxgpt.evaluation import id_share, known_bytes_per_token
+
+    share = id_share(tokens, tokenizer.unk_id)
+    if share > args.max_unknown and not args.mask_unknown:
+        raise ValueError(f"{share:.1%} of the tokens of {where} are <|unk|> (text the tokenizer cannot encode), so "
+                         "the loss would mean little; pass --mask_unknown to leave them out of the loss, or "
+                         "--max_unknown to accept them")
+    if not (args.mask_unknown and share):
+        return share, None
+    if share == 1:
+        raise ValueError(f"every token of {where} is <|unk|>: with --mask_unknown nothing is left to evaluate")
+    return share, known_bytes_per_token(tokens, tokenizer)
+
+
 def evaluate(args) -> dict:
     from tqdm.auto import tqdm
 
@@ -112,7 +145,9 @@ def evaluate(args) -> dict:
                          "(one input and one target): choose another --split, or raise --val_fraction for 'val'")
     stride = args.stride if args.stride is not None else saved.get("data", {}).get("eval_stride")
     batch_size = args.batch_size or saved.get("train", {}).get("eval_batch_size") or DEFAULT_BATCH_SIZE
-    bytes_per_token = corpus.bytes_per_token["val" if split == "val" else "train"]
+    unknown_fraction, known_bytes_per_token = check_unknown(
+        args, tokens, tokenizer, repr(source) if split == "all" else f"the {split} split of {source!r}")
+    bytes_per_token = known_bytes_per_token or corpus.bytes_per_token["val" if split == "val" else "train"]
     # Counting the batches first also checks stride and batch size before the bar is drawn.
     total = data.num_eval_batches(len(tokens), batch_size=batch_size, block_size=config.block_size, stride=stride)
     with tqdm(total=min(total, args.max_batches or total), unit="batch", desc="eval", file=sys.stderr,
@@ -120,13 +155,16 @@ def evaluate(args) -> dict:
         def on_batch(done: int, _total: int) -> None:
             bar.update(done - bar.n)
 
-        result = evaluate_tokens(config, params, tokens, bytes_per_token, batch_size=batch_size,
-                                          stride=stride, max_batches=args.max_batches, on_batch=on_batch)
+        result = evaluate_tokens(config, params, tokens, bytes_per_token, batch_size=batch_size, stride=stride,
+                                 max_batches=args.max_batches, on_batch=on_batch,
+                                 ignore_id=tokenizer.unk_id if args.mask_unknown else None)
     return {
         "loss": result["val_loss"],
         "perplexity": result["val_ppl"],
         "bits_per_byte": result["val_bpb"],
         "tokens": result["val_tokens"],
+        "unknown_fraction": unknown_fraction,
+        "unknown_masked": result.get("val_ignored", 0),
         "model": args.run_dir or args.hf_dir,
         "data": source,
         "split": split,

@@ -43,6 +43,8 @@ def parse_args(argv):
     parser.add_argument("--top_k", type=int, help="draw among the k most likely tokens only")
     parser.add_argument("--top_p", type=float, help="draw among the fewest most likely tokens holding probability p")
     parser.add_argument("--beams", type=int, help="beam search with this many beams instead of sampling")
+    parser.add_argument("--step", type=int, help="with --run_dir: the checkpoint step (default: the best by validation "
+                                                 "loss, or the newest intact one when that is damaged)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
     parser.add_argument("--show_probs", type=int, metavar="K",
@@ -56,6 +58,8 @@ def parse_args(argv):
 
 def check_args(args) -> None:
     """Impossible values and combinations, found before anything is loaded."""
+    if args.step is not None and args.hf_dir is not None:
+        raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
     for name in ("num_samples", "max_new_tokens", "show_probs", "beams"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
         check_args(args)
         prompt = read_prompt(args)
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
-        params, config, tokenizer = (load_run(args.run_dir) if args.run_dir is not None
+        params, config, tokenizer = (load_run(args.run_dir, step=args.step) if args.run_dir is not None
                                      else convert.load_hf_run(args.hf_dir))
         ids = encode_prompt(tokenizer, prompt)
         if args.attention_png:

@@ -12,6 +12,8 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
+from jaxgpt.errors import one_line
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
 
@@ -28,12 +30,17 @@ def parse(argv):
         flags.FLAGS(argv)
         config = config_flag.value
         config.to_dict()  # a config file that failed to load raises here
+    except SyntaxError as error:
+        fail(f"{error.filename}:{error.lineno}: {error.msg} (a syntax error in the config file)")
     except (AttributeError, KeyError) as error:  # an override naming a key the config does not have
-        key = str(error).strip("\"' ")
-        fail(f"the config has no key {key!r}: check the spelling against the config file (--config)")
+        from jaxgpt.config import load_config, unknown_key
+
+        overrides = [arg.split("=", 1)[0][len("--config."):] for arg in argv if arg.startswith("--config.")]
+        files = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+        base = load_config(files[-1] if files else DEFAULT_CONFIG)
+        fail(next(filter(None, (unknown_key(base, key) for key in overrides)), None) or one_line(error))
     except (flags.Error, ValueError, TypeError, ImportError, OSError) as error:
-        message = " ".join(line.strip() for line in str(error).strip().splitlines())
-        fail(f"{message or type(error).__name__}")
+        fail(" ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__)
     if config.run_dir is None:
         config.run_dir = str(Path("runs") / Path(flags.FLAGS["config"].config_filename).stem)
     return config
@@ -60,12 +67,16 @@ def main(argv) -> int:
     import jax
 
     from jaxgpt import run, sharding, viz
+    from jaxgpt.checkpoint import CheckpointError
 
     try:
         sharding.start_jax(config)  # before JAX's first operation: CPU devices, hosts
         result = run.train(config)
-    except (ValueError, FileNotFoundError, run.TrainingError) as error:
-        fail(str(error))
+    except (ValueError, FileNotFoundError, run.TrainingError, CheckpointError) as error:
+        fail(one_line(error, limit=2000))
+    except KeyboardInterrupt:  # a second signal before training began: nothing to save
+        print("train.py: stopped before the first step; run the same command to start again", file=sys.stderr)
+        return 130
     if jax.process_index() != 0:
         return 130 if result["interrupted"] else 0
     viz.plot_loss(config.run_dir)

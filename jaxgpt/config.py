@@ -13,6 +13,7 @@ line overrides any key, and each section is checked by its dataclass when a run 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import os
 import typing
@@ -265,6 +266,9 @@ class TrainConfig:
     # to 2·ckpt_every steps); False: each save finishes first (at most ckpt_every)
     async_checkpoints: bool = True
     peak_flops: float | None = None  # per device (a CPU: per host); None: measured on a CPU
+    # the most memory the parameters, gradients and AdamW state may take; None: the devices'
+    # memory (on a CPU, 90% of the machine's RAM)
+    memory_limit_gib: float | None = None
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
@@ -283,8 +287,9 @@ class TrainConfig:
             _check_train(self, _is_number(value) and 0 <= value < 1, key, "a number in [0, 1)")
         for key in ("decay_embeddings", "async_checkpoints"):
             _check_train(self, isinstance(getattr(self, key), bool), key, "True or False")
-        peak = self.peak_flops
-        _check_train(self, peak is None or (_is_number(peak) and peak > 0), "peak_flops", "None or a positive number")
+        for key in ("peak_flops", "memory_limit_gib"):
+            value = getattr(self, key)
+            _check_train(self, value is None or (_is_number(value) and value > 0), key, "None or a positive number")
         if self.schedule_steps <= self.warmup_steps:
             raise ConfigError(f"train.decay_steps={self.schedule_steps} must exceed train.warmup_steps="
                               f"{self.warmup_steps}: the cosine needs at least one step after the warmup")
@@ -341,6 +346,22 @@ def default_config() -> ConfigDict:
         "run_dir": config_dict.placeholder(str),  # None: runs/<config file name>
         "resume": "auto",  # auto | never | must
     })
+
+
+def unknown_key(config: ConfigDict, dotted: str) -> str | None:
+    """None when `dotted` (e.g. 'train.lr') names a key of `config`; else a one-line message
+    naming the first missing part and the nearest existing key."""
+    node, walked = config, []
+    for part in dotted.split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+            siblings = list(node.keys()) if isinstance(node, ConfigDict) else []
+            near = difflib.get_close_matches(part, siblings, n=1)
+            where = ".".join([*walked, part])
+            hint = f"; did you mean '{'.'.join([*walked, near[0]])}'?" if near else ""
+            return f"no key '{where}'{hint}"
+        walked.append(part)
+        node = node[part]
+    return None
 
 
 def load_config(path: str | os.PathLike) -> ConfigDict:

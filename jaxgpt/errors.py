@@ -6,6 +6,11 @@ do; `one_line` turns a library's error (often many lines, sometimes a repr) into
 
 from __future__ import annotations
 
+import re
+
+# reprs of library internals that mean nothing to a user: <bound method pybind11…>, <… object at 0x…>
+_LIBRARY_REPR = re.compile(r"<(?:bound method |built-in method |function )[^<>]*>|<[^<>]* object at 0x[0-9a-f]+>")
+
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the key and what it must be."""
@@ -19,7 +24,7 @@ def one_line(error: BaseException, limit: int = 200, with_type: bool = False) ->
     """The first non-empty line of an error's message (at most `limit` characters), or its
     type's name when it has no message; `with_type` puts the type's name in front (for
     errors from inside a library, whose type says more than their text)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [_without_reprs(line.strip()) for line in str(error).splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
     return f"{type(error).__name__}: {lines[0][:limit]}" if with_type else lines[0][:limit]
@@ -27,3 +32,10 @@ def one_line(error: BaseException, limit: int = 200, with_type: bool = False) ->
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (non-finite loss, incompatible resume, bad settings)."""
+
+
+def _without_reprs(line: str) -> str:
+    """The line with library reprs (nested ones too) shortened to …."""
+    while (shorter := _LIBRARY_REPR.sub("…", line)) != line:
+        line = shorter
+    return line

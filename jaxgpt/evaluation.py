@@ -2,7 +2,9 @@
 
     loss = −(1/N) Σ_i log p(x_{i+1} | x_{≤i}),   ppl = exp(loss),   bpb = loss / (ln 2 · bytes/token)
 
-over the sequential windows of `data.eval_batch`, every target counted once.
+over the sequential windows of `data.eval_batch`, every target counted once. Targets equal
+to `ignore_id` (e.g. <|unk|>) can be left out of N; `id_share` and `known_bytes_per_token`
+measure a split's targets for that.
 """
 
 from __future__ import annotations
@@ -11,23 +13,27 @@ import math
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from jaxgpt import data
 from jaxgpt.config import GPTConfig
+from jaxgpt.tokenizers import Tokenizer
 from jaxgpt.training import make_eval_step
 
 _EVAL_STEPS: dict = {}
+_CHUNK = 1 << 22  # tokens per pass over a (memory-mapped) split
 
 
 def evaluate_tokens(model_cfg: GPTConfig, params, tokens, bytes_per_token: float, *, batch_size: int,
                     stride: int | None = None, max_batches: int | None = None, batch_sharding=None,
-                    on_batch: Callable[[int, int], None] | None = None) -> dict:
+                    on_batch: Callable[[int, int], None] | None = None, ignore_id: int | None = None) -> dict:
     """Loss, perplexity and bits per byte of the model on a token array, over the sequential
     windows of `data.eval_batch` (every target counted once; `stride` < block_size gives each
     target more context). `max_batches` keeps only the first ones; `on_batch(done, total)`
-    is called after each batch."""
+    is called after each batch. With `ignore_id`, targets equal to it are left out of the
+    loss (the inputs stay as they are) and "val_ignored" says how many were."""
     if model_cfg not in _EVAL_STEPS:  # one compiled step per model, however often it is evaluated
-        _EVAL_STEPS[model_cfg] = jax.jit(make_eval_step(model_cfg))
+        _EVAL_STEPS[model_cfg] = _ignoring_step(model_cfg)
     eval_step = _EVAL_STEPS[model_cfg]
     T = model_cfg.block_size
     count_batches = data.num_eval_batches(len(tokens), batch_size=batch_size, block_size=T, stride=stride)
@@ -39,14 +45,52 @@ def evaluate_tokens(model_cfg: GPTConfig, params, tokens, bytes_per_token: float
     def make_batch(index: int, rows: slice):
         return data.eval_batch(tokens, index, batch_size=batch_size, block_size=T, stride=stride, rows=rows)
 
-    loss_sum, count = 0.0, 0.0
+    loss_sum, count, ignored = 0.0, 0.0, 0
     with data.DeviceBatches(make_batch, start_step=0, end_step=count_batches, batch_size=batch_size,
                             sharding=batch_sharding) as batches:
         for index, (x, y, m) in batches:
-            s, c = eval_step(params, x, y, m)
-            loss_sum, count = loss_sum + float(s), count + float(c)
+            s, c, i = eval_step(params, x, y, m, -1 if ignore_id is None else ignore_id)  # ids are ≥ 0
+            loss_sum, count, ignored = loss_sum + float(s), count + float(c), ignored + int(i)
             if on_batch:
                 on_batch(index + 1, count_batches)
     loss = loss_sum / max(count, 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-            "val_bpb": data.bits_per_byte(loss, bytes_per_token), "val_tokens": int(count)}
+    result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+              "val_bpb": data.bits_per_byte(loss, bytes_per_token), "val_tokens": int(count)}
+    return result if ignore_id is None else {**result, "val_ignored": ignored}
+
+
+def _ignoring_step(model_cfg: GPTConfig):
+    """The jitted eval step with the targets equal to `ignore_id` taken out of the mask:
+    (Σ loss, count, how many were taken out)."""
+    eval_step = make_eval_step(model_cfg)
+
+    def step(params, inputs, targets, mask, ignore_id):
+        ignored = mask & (targets == ignore_id)
+        loss_sum, count = eval_step(params, inputs, targets, mask & ~ignored)
+        return loss_sum, count, ignored.sum()
+
+    return jax.jit(step)
+
+
+def id_share(tokens, token_id: int | None) -> float:
+    """The share of a split's targets (every token after the first) that are `token_id`;
+    0 when it is None (e.g. the unk_id of a tokenizer that has no <|unk|>)."""
+    targets = len(tokens) - 1
+    if token_id is None or targets < 1:
+        return 0.0
+    found = sum(int(np.count_nonzero(tokens[start:start + _CHUNK] == token_id))
+                for start in range(1, len(tokens), _CHUNK))
+    return found / targets
+
+
+def known_bytes_per_token(tokens, tokenizer: Tokenizer) -> float:
+    """UTF-8 bytes per target that is not <|unk|>, each counted as the bytes of its own token
+    (special tokens none): the text those targets stand for. Exact for character and
+    byte-level tokenizers; a word tokenizer's spaces between words are not counted."""
+    token_bytes = np.array([len(tokenizer.decode([i]).encode("utf-8")) for i in range(tokenizer.vocab_size)])
+    total = known = 0
+    for start in range(1, len(tokens), _CHUNK):
+        chunk = np.asarray(tokens[start:start + _CHUNK])
+        chunk = chunk[chunk != tokenizer.unk_id] if tokenizer.unk_id is not None else chunk
+        total, known = total + int(token_bytes[chunk].sum()), known + len(chunk)
+    return total / known if total else math.nan  # no bytes: no bits per byte

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from absl import logging as absl_logging
 
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     try:
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a file: give a directory to write the checkpoint into")
         params, config, tokenizer = load_run(args.run_dir, step=args.step)
         try:
             convert.check_gpt2_tokenizer(tokenizer, config)
@@ -40,7 +43,7 @@ def main(argv=None) -> int:
         except ValueError as err:
             tokenizer, tokenizer_note = None, str(err)
         convert.save_hf_gpt2(args.out, config, params, tokenizer=tokenizer)
-    except (ValueError, CheckpointError) as err:
+    except (ValueError, OSError, CheckpointError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 2
     files = "config.json, model.safetensors" + (", vocab.json, merges.txt" if tokenizer else "")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.evaluation import evaluate_tokens
 from jaxgpt.files import write_json
 from jaxgpt.lock import LockHeld, RunLock
-from jaxgpt.model import GPT, flops_per_token
+from jaxgpt.model import GPT, flops_per_token, param_count
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.training import TrainState, make_train_step, sharded_init
 
@@ -143,6 +144,7 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock)
         raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
                          "or give data.val_source")
     cfg = model_config(config, corpus.tokenizer.vocab_size)
+    _check_memory(cfg, train_cfg)
     if resuming:
         _check_same_run(directory, cfg, corpus.tokenizer)
     resolved = {**config.to_dict(), "model": cfg.to_dict(), "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
@@ -153,6 +155,37 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock)
     mesh = sharding.make_mesh(config.mesh)
     _check_batch_sizes(train_cfg, mesh)
     return Run(ConfigDict(resolved), train_cfg, cfg, directory, corpus, checkpoints, resuming, mesh, lock)
+
+
+def _check_memory(cfg: GPTConfig, train_cfg: TrainConfig) -> None:
+    """Refuse, before anything is allocated, a run that cannot fit: the parameters, their
+    gradients and the two AdamW moments (float32), plus one micro-batch's activations (per
+    layer ≈ (34·d + 5·H·T) half-precision values per token, the large-model estimate of
+    Korthikanti et al., and the logits with their softmax and gradient, 3·V float32 values per
+    token), against the devices' memory together, or on a CPU 90% of the RAM
+    (train.memory_limit_gib overrides either). An estimate, to stop the impossible early."""
+    count = param_count(cfg)
+    state = count * (2 * cfg.params_dtype.itemsize + 2 * 4)
+    per_token = (cfg.n_layer * (34 * cfg.d_model + 5 * cfg.n_head * cfg.block_size) * cfg.compute_dtype.itemsize / 2
+                 + 3 * cfg.vocab_size * 4)
+    need = state + train_cfg.batch_size * cfg.block_size * per_token
+    limit, where = _memory_limit(train_cfg)
+    if limit and need > limit:
+        raise ConfigError(f"the run needs about {need / 2**30:.1f} GiB ({count:,} parameters with their gradients "
+                          f"and AdamW state, and the activations of {train_cfg.batch_size} rows of "
+                          f"{cfg.block_size} tokens), more than the {limit / 2**30:.1f} GiB of {where}: make the model "
+                          "or the micro-batch smaller (model.vocab_size, n_layer, d_model; train.batch_size with "
+                          "train.grad_accum), or set train.memory_limit_gib")
+
+
+def _memory_limit(train_cfg: TrainConfig) -> tuple[float | None, str]:
+    if train_cfg.memory_limit_gib:
+        return train_cfg.memory_limit_gib * 2**30, "train.memory_limit_gib"
+    if jax.default_backend() == "cpu":
+        return 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "90% of this machine's RAM"
+    stats = [device.memory_stats() or {} for device in jax.devices()]
+    limits = [s.get("bytes_limit") for s in stats]
+    return (sum(limits), "the devices' memory") if all(limits) else (None, "")
 
 
 def _check_same_run(directory: Path, cfg: GPTConfig, tokenizer: tokenizers.Tokenizer) -> None:
@@ -198,6 +231,10 @@ def load_run(run_dir, step: int | None = None):
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{config_path} does not hold a model config ({type(err).__name__}: {err})") from None
     tokenizer = tokenizers.load(tokenizer_path)
+    pinned = json.loads(config_path.read_text(encoding="utf-8")).get("tokenizer_sha256")
+    if pinned and data.tokenizer_hash(tokenizer) != pinned:
+        raise ValueError(f"{tokenizer_path} is not the tokenizer this run was trained with (its hash differs from the "
+                         f"one in {config_path}): restore the run's own tokenizer.json")
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the model only "
                          f"{config.vocab_size}: the tokenizer is not the one the run was trained with")

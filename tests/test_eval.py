@@ -78,14 +78,16 @@ def result_of(cli, capsys, *args):
     return json.loads(lines[0])
 
 
-def reference_loss(cfg, params, tokens, stride):
-    """Mean −log p(t_j | context) over every target j = 1…n−1 in float64, each predicted from
-    the longest context the windows give it: window w holds tokens w·stride … w·stride + T − 1,
-    and target j is counted in window 0 when j ≤ T, else in window ⌈(j − T)/stride⌉."""
+def reference_loss(cfg, params, tokens, stride, skip_id=None):
+    """Mean −log p(t_j | context) over every target j = 1…n−1 (but those equal to `skip_id`)
+    in float64, each predicted from the longest context the windows give it: window w holds
+    tokens w·stride … w·stride + T − 1, and target j is counted in window 0 when j ≤ T, else
+    in window ⌈(j − T)/stride⌉."""
     T, n = cfg.block_size, len(tokens)
     targets_of = defaultdict(list)
     for j in range(1, n):
-        targets_of[0 if j <= T else -(-(j - T) // stride)].append(j)
+        if tokens[j] != skip_id:
+            targets_of[0 if j <= T else -(-(j - T) // stride)].append(j)
     total = 0.0
     for w, targets in targets_of.items():
         start = w * stride
@@ -93,7 +95,7 @@ def reference_loss(cfg, params, tokens, stride):
         top = logits.max(-1, keepdims=True)
         log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
         total -= sum(log_probs[j - start - 1, tokens[j]] for j in targets)
-    return total / (n - 1)
+    return total / sum(map(len, targets_of.values()))
 
 
 def val_tokens(tokenizer):
@@ -112,6 +114,7 @@ def test_a_run_is_evaluated_on_its_validation_split(cli, capsys, run):
     bytes_per_token = len(text.encode("utf-8")) / len(tokens)
     assert result["bits_per_byte"] == pytest.approx(result["loss"] / (math.log(2) * bytes_per_token), rel=1e-9)
     assert (result["split"], result["block_size"], result["stride"]) == ("val", BLOCK, BLOCK)
+    assert (result["unknown_fraction"], result["unknown_masked"]) == (0, 0)  # in-domain text
 
 
 def test_stride_context_and_batches(cli, capsys, run):
@@ -141,11 +144,59 @@ def test_a_hugging_face_model_is_evaluated_on_the_whole_file(cli, capsys, tmp_pa
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
     assert result["bits_per_byte"] == pytest.approx(
         result["loss"] * len(tokens) / (math.log(2) * len(TEXT.encode("utf-8"))), rel=1e-9)
+    assert result["unknown_fraction"] == 0  # a byte-level BPE has no <|unk|>
 
     held_out = result_of(cli, capsys, "--hf_dir", tmp_path / "gpt2", "--data", corpus, "--cache_dir",
                          tmp_path / "cache", "--split", "val", "--val_fraction", 0.5)
     tail = TEXT[len(TEXT) - round(len(TEXT) * 0.5):]
     assert held_out["tokens"] == len(bpe.encode(tail)) - 1
+
+
+# Japanese among known characters: a char model trained on TEXT has no token for the kana and kanji.
+FOREIGN = "".join(f"王{i}は女王に話す。the king, {i}: ここ.\n" for i in range(6))
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory):
+    """(path, its unknown targets, its known targets and their UTF-8 bytes), counted from the
+    characters: every character of FOREIGN after the first is a target."""
+    path = tmp_path_factory.mktemp("foreign") / "japanese.txt"
+    path.write_text(FOREIGN, encoding="utf-8")
+    known = [ch for ch in FOREIGN[1:] if ch in TEXT]
+    return path, len(FOREIGN) - 1 - len(known), len(known), len("".join(known).encode("utf-8"))
+
+
+def test_text_the_tokenizer_cannot_encode_is_refused_in_one_line(cli, capsys, run, foreign):
+    path, unknown, known, _ = foreign
+    status, out, err = evaluate(cli, capsys, "--run_dir", run[0], "--data", path, "--split", "all")
+    share = unknown / (unknown + known)
+    assert share > 0.3 and status == 2 and out == ""
+    assert err == (f"eval.py: error: {share:.1%} of the tokens of {str(path)!r} are <|unk|> (text the tokenizer cannot "
+                   "encode), so the loss would mean little; pass --mask_unknown to leave them out of the loss, or "
+                   "--max_unknown to accept them\n")
+
+
+def test_unknown_targets_can_be_masked_out_of_the_loss(cli, capsys, run, foreign):
+    path, unknown, known, known_bytes = foreign
+    _, cfg, params, tokenizer = run
+    result = result_of(cli, capsys, "--run_dir", run[0], "--data", path, "--split", "all", "--mask_unknown")
+    assert result["unknown_fraction"] == pytest.approx(unknown / (unknown + known), rel=1e-12)
+    assert (result["unknown_masked"], result["tokens"]) == (unknown, known)
+    tokens = tokenizer.encode(FOREIGN)
+    assert result["loss"] == pytest.approx(reference_loss(cfg, params, tokens, BLOCK, skip_id=tokenizer.unk_id),
+                                           rel=1e-5)
+    assert result["loss"] != pytest.approx(reference_loss(cfg, params, tokens, BLOCK), rel=1e-3)
+    # Bits per byte of the text the counted targets stand for, not of the unknown text too.
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] * known / (math.log(2) * known_bytes), rel=1e-9)
+
+
+def test_a_raised_threshold_accepts_unknown_targets_in_the_loss(cli, capsys, run, foreign):
+    path, unknown, known, _ = foreign
+    _, cfg, params, tokenizer = run
+    result = result_of(cli, capsys, "--run_dir", run[0], "--data", path, "--split", "all", "--max_unknown", 1)
+    assert result["unknown_fraction"] == pytest.approx(unknown / (unknown + known), rel=1e-12)
+    assert (result["unknown_masked"], result["tokens"]) == (0, unknown + known)
+    assert result["loss"] == pytest.approx(reference_loss(cfg, params, tokenizer.encode(FOREIGN), BLOCK), rel=1e-5)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -154,6 +205,7 @@ def test_a_hugging_face_model_is_evaluated_on_the_whole_file(cli, capsys, tmp_pa
     (["--run_dir", "{run}", "--stride", "17"], "eval stride 17 must be an integer in 1…block_size=16"),
     (["--run_dir", "{run}", "--block_size", "32"], "block_size=32: must be an integer in 1…16"),
     (["--run_dir", "{run}", "--val_fraction", "1.5"], r"--val_fraction must be in \[0, 1\), got 1.5"),
+    (["--run_dir", "{run}", "--max_unknown", "-0.1"], r"--max_unknown must be in \[0, 1\], got -0.1"),
     (["--run_dir", "{run}/missing"], "run directory .*missing does not exist"),
     (["--run_dir", "{run}", "--data", "{run}/no-such-text.txt"], "data source .*no-such-text.txt' does not exist"),
     (["--run_dir", "{run}", "--val_fraction", "0"], "the val split of .* has 0 token\\(s\\), too few to evaluate"),

@@ -204,7 +204,7 @@ def _check_tokens(tokens: np.ndarray, checksum: str | None, vocab_size: int) -> 
     """What is wrong with a split's token array, or None: an id outside the vocabulary (the
     first one), or a checksum other than the one recorded. One pass, a chunk at a time."""
     digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-    step = CHECK_CHUNK_BYTES // tokens.itemsize
+    step = max(1, CHECK_CHUNK_BYTES // tokens.itemsize)
     for start in range(0, len(tokens), step):
         chunk = tokens[start:start + step]
         digest.update(chunk)
