@@ -170,7 +170,7 @@ class Checkpoints:
                     raise CheckpointError(message) from error
                 log.warning("%s; trying an older one", message)
                 if not self.read_only:  # kept aside, so that this step can be written again
-                    _move_aside(self.directory / str(candidate))
+                    _move_aside(self.directory / str(candidate), self.directory)
                     self.manager.reload()
         raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates}); "
                               "start again with another --config.run_dir, or remove this one")
@@ -193,10 +193,10 @@ class Checkpoints:
         self.manager.close()
 
 
-def _move_aside(path: Path, suffix: str = "") -> Path:
-    """Move a damaged step directory (or part of one) to ../damaged_checkpoints: kept for
-    inspection, out of orbax's way."""
-    target = path.parent.parent / "damaged_checkpoints" / f"{path.name}{suffix}"
+def _move_aside(path: Path, checkpoints_dir: Path, name: str | None = None) -> Path:
+    """Move a damaged step directory (or part of one) to run_dir/damaged_checkpoints: kept
+    for inspection, out of orbax's way."""
+    target = checkpoints_dir.parent / "damaged_checkpoints" / (name or path.name)
     target.parent.mkdir(exist_ok=True)
     if target.exists():
         target = target.with_name(f"{target.name}-{len(list(target.parent.iterdir()))}")
@@ -211,13 +211,13 @@ def _repair_steps(directory: Path) -> None:
     for step_dir in sorted(p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()):
         metrics = step_dir / "metrics"
         if (metrics / "metrics").is_file() and not _parses(metrics / "metrics", dict):
-            target = _move_aside(metrics, suffix=f"-of-step-{step_dir.name}")
+            target = _move_aside(metrics, directory, name=f"metrics-of-step-{step_dir.name}")
             log.warning("the metrics of checkpoint step %s are unreadable; moved them to %s (the step is kept, "
                         "without its validation loss)", step_dir.name, target)
         metadata = [step_dir / "_CHECKPOINT_METADATA", *step_dir.glob("*/_METADATA")]
         damaged = next((p for p in metadata if p.is_file() and not _parses(p, dict)), None)
         if damaged is not None:
-            target = _move_aside(step_dir)
+            target = _move_aside(step_dir, directory)
             log.warning("checkpoint at step %s is unreadable (%s does not parse); moved it to %s", step_dir.name,
                         damaged.relative_to(step_dir), target)
 
