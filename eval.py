@@ -32,6 +32,8 @@ import json
 import sys
 from pathlib import Path
 
+from jaxgpt.errors import quiet_closed_event_loops
+
 SPLITS = ("val", "train", "all")
 DEFAULT_BATCH_SIZE = 8
 
@@ -175,6 +177,7 @@ def evaluate(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    quiet_closed_event_loops()
     from absl import logging as absl_logging
 
     from jaxgpt.checkpoint import CheckpointError

@@ -12,7 +12,7 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
-from jaxgpt.errors import one_line
+from jaxgpt.errors import one_line, quiet_closed_event_loops
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
@@ -61,6 +61,7 @@ def write_sample(config) -> str:
 
 def main(argv) -> int:
     config = parse(argv)
+    quiet_closed_event_loops()
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's informational logs would bury the progress bar
@@ -89,4 +90,8 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    try:
+        sys.exit(main(sys.argv))
+    except KeyboardInterrupt:  # Ctrl-C before training took over the signals (while starting up)
+        print("train.py: stopped before training began; run the same command to start again", file=sys.stderr)
+        sys.exit(130)

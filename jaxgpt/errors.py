@@ -7,6 +7,7 @@ do; `one_line` turns a library's error (often many lines, sometimes a repr) into
 from __future__ import annotations
 
 import re
+import sys
 
 # reprs of library internals that mean nothing to a user: <bound method pybind11…>, <… object at 0x…>
 _LIBRARY_REPR = re.compile(r"<(?:bound method |built-in method |function )[^<>]*>|<[^<>]* object at 0x[0-9a-f]+>")
@@ -39,3 +40,19 @@ def _without_reprs(line: str) -> str:
     while (shorter := _LIBRARY_REPR.sub("…", line)) != line:
         line = shorter
     return line
+
+
+def quiet_closed_event_loops() -> None:
+    """For command-line programs: drop the "Event loop is closed" reports that orbax's
+    abandoned reads leave behind when a damaged checkpoint fails to restore (a traceback each,
+    with nothing to act on: the failure itself is reported in one line); any other exception
+    Python cannot raise is reported as before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook

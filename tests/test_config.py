@@ -51,3 +51,33 @@ def test_round_trip_through_dict_and_unknown_field():
     assert GPTConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match=r"no field\(s\) n_layers"):
         GPTConfig.from_dict({**cfg.to_dict(), "n_layers": 3})
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(eval_every=0), r"train.eval_every=0: must be a positive integer"),
+    (dict(ckpt_every=0), r"train.ckpt_every=0: must be a positive integer"),
+    (dict(log_every=0), r"train.log_every=0: must be a positive integer"),
+    (dict(steps=0), r"train.steps=0: must be a positive integer"),
+    (dict(steps=-5), r"train.steps=-5: must be a positive integer"),
+    (dict(grad_accum=0), r"train.grad_accum=0: must be a positive integer"),
+    (dict(batch_size=0), r"train.batch_size=0: must be a positive integer"),
+    (dict(lr=-1e-3), r"train.lr=-0.001: must be a number ≥ 0"),
+    (dict(b2=1.0), r"train.b2=1.0: must be a number in \[0, 1\)"),
+    (dict(warmup_steps=100, decay_steps=50), r"train.decay_steps=50 must exceed train.warmup_steps=100"),
+    (dict(memory_limit_gib=0), r"train.memory_limit_gib=0: must be None or a positive number"),
+])
+def test_impossible_train_settings_raise(changes, expected):
+    from jaxgpt.config import TrainConfig
+
+    with pytest.raises(ValueError, match=expected):
+        TrainConfig(**changes)
+
+
+def test_unknown_keys_are_named_with_the_nearest_one():
+    from jaxgpt.config import default_config, unknown_key
+
+    config = default_config()
+    assert unknown_key(config, "train.lr") is None
+    assert unknown_key(config, "train.lrr") == "no key 'train.lrr'; did you mean 'train.lr'?"
+    assert unknown_key(config, "modle.n_layer") == "no key 'modle'; did you mean 'model'?"
+    assert unknown_key(config, "train.zzz") == "no key 'train.zzz'"

@@ -173,7 +173,10 @@ def test_train_py_end_to_end_then_sample(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--config.train.no_such_key=1", "no_such_key"),
+    ("--config.train.no_such_key=1", "no key 'train.no_such_key'"),
+    ("--config.train.lrr=1", "no key 'train.lrr'; did you mean 'train.lr'?"),
+    ("--config.train.eval_every=0", "train.eval_every=0: must be a positive integer"),
+    ("--config.train.lr=-0.1", "train.lr=-0.1: must be a number ≥ 0"),
     ("--config.train.steps=many", "steps"),
 ])
 def test_train_py_bad_override_is_a_one_line_error(tmp_path, corpus, override, message):
@@ -304,3 +307,186 @@ def test_run_directory_written_before_the_restructure_samples_and_resumes(tmp_pa
     assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 3, not started again
     assert_trees_close(final_params(old), final_params(tmp_path / "fresh"), atol=1e-6)
     assert resumed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
+
+
+# --- nothing lost, nothing silently wrong ---------------------------------------------------------
+
+
+def run_records(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_garbage_in_one_steps_metrics_keeps_every_checkpoint(tmp_path, corpus):
+    from jaxgpt.run import train
+
+    train(tiny_config(tmp_path, corpus))  # checkpoints 3 and 6, both evaluated
+    run = tmp_path / "run"
+    (run / "checkpoints" / "6" / "metrics" / "metrics").write_bytes(b"\x00garbage")
+    assert train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))["step"] == 9
+    assert run_records(run) == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # resumed at 6: its parameters were kept
+    assert [p.name for p in (run / "damaged_checkpoints").iterdir()] == ["metrics-of-step-6"]
+
+
+def test_flipped_bytes_in_the_newest_checkpoint_fall_back_to_the_previous(tmp_path, corpus, caplog):
+    from jaxgpt.run import train
+
+    train(tiny_config(tmp_path, corpus))
+    run = tmp_path / "run"
+    largest = max((f for f in (run / "checkpoints" / "6").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    for position in np.random.default_rng(0).choice(len(data), size=min(64, len(data)), replace=False):
+        data[position] ^= 0xFF
+    largest.write_bytes(bytes(data))
+    caplog.set_level("WARNING")
+    assert train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))["step"] == 9
+    assert "checkpoint at step 6" in caplog.text
+    assert run_records(run)[6:] == [4, 5, 6, 7, 8, 9]  # redone from step 3
+
+
+def test_resume_whose_data_makes_another_tokenizer_refuses(tmp_path, corpus):
+    from jaxgpt.run import TrainingError, train
+
+    train(tiny_config(tmp_path, corpus))
+    pinned = (tmp_path / "run" / "tokenizer.json").read_bytes()
+    text = corpus.read_text()
+    assert "k" in text and "#" not in text
+    other = tmp_path / "other.txt"
+    other.write_text(text.replace("k", "#"))  # as many characters, another mapping of ids to text
+    with pytest.raises(TrainingError, match=r"the data now makes another tokenizer than .*tokenizer.json"):
+        train(tiny_config(tmp_path, other, **{"train.steps": 9}))
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == pinned
+
+
+def test_a_non_finite_state_is_never_checkpointed(tmp_path, corpus):
+    """eps = 0 divides zero by zero in AdamW where a gradient is zero (the rows of an untied
+    embedding that no batch uses): NaN parameters after step 1, which are never saved."""
+    from jaxgpt.run import TrainingError, train
+
+    config = tiny_config(tmp_path, corpus, **{"train.eps": 0.0, "train.ckpt_every": 1, "model.tie_embeddings": False})
+    with pytest.raises(TrainingError, match=r"step 1: \['(opt_state|params)'\]\S* holds NaN or infinite values; "
+                                            r"not saving it: .* The last good checkpoint is none"):
+        train(config)
+    assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))
+
+
+def test_an_impossible_model_is_refused_before_anything_is_allocated(tmp_path, corpus):
+    from jaxgpt.errors import ConfigError
+    from jaxgpt.run import train
+
+    with pytest.raises(ConfigError, match=r"the run needs about \d+\.\d GiB .* set train.memory_limit_gib"):
+        train(tiny_config(tmp_path, corpus, **{"model.vocab_size": 1_000_000_000}))
+    with pytest.raises(ConfigError, match=r"more than the 0.0 GiB of train.memory_limit_gib"):
+        train(tiny_config(tmp_path, corpus, **{"train.memory_limit_gib": 1e-6}))
+
+
+def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, corpus):
+    from jaxgpt.errors import ConfigError
+    from jaxgpt.run import train
+
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(ConfigError, match="is a file, not a directory: choose another --config.run_dir"):
+        train(tiny_config(tmp_path, corpus))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes whatever the permissions say")
+def test_a_read_only_run_dir_is_a_one_line_error(tmp_path, corpus):
+    from jaxgpt.errors import ConfigError
+    from jaxgpt.run import train
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run").chmod(0o555)
+    with pytest.raises(ConfigError, match="cannot write in run_dir .* choose a writable --config.run_dir"):
+        train(tiny_config(tmp_path, corpus))
+
+
+def test_train_py_config_file_with_a_syntax_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from jaxgpt.config import default_config\n\ndef get_config():\n    return default_config(\n")
+    out = run_train_py([f"--config={bad}"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"train.py: {bad}:4: '(' was never closed (a syntax error in the "
+                                               "config file)"]
+
+
+def long_run_args(tmp_path, corpus, run="run", **changes):
+    return cli_args(tmp_path, corpus, run, **{"train.steps": 100000, "train.decay_steps": 100000,
+                                              "train.ckpt_every": 1000, "train.eval_every": 1000, **changes})
+
+
+def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 120) -> None:
+    import time
+
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while not (metrics.exists() and metrics.read_text().strip() and run_records(run_dir)[-1] >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, f"training did not reach step {step}"
+        time.sleep(0.05)
+
+
+def test_a_second_process_on_a_live_run_directory_refuses_and_a_dead_ones_lock_is_taken_over(tmp_path, corpus):
+    import socket
+
+    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *long_run_args(tmp_path, corpus)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_step(tmp_path / "run", 1, first)
+        second = run_train_py(cli_args(tmp_path, corpus, **{"train.lr": 5e-4}))
+    finally:
+        first.kill()  # kill -9: the kernel drops its lock
+        first.wait()
+    assert second.returncode == 2
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"is in use by process {first.pid} on {socket.gethostname()}" in lines[0], lines
+    third = run_train_py(cli_args(tmp_path, corpus))
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert f"took over the lock of process {first.pid} on {socket.gethostname()}" in third.stderr
+
+
+@pytest.mark.parametrize("delay", [2.0, 4.0])
+def test_ctrl_c_at_any_moment_exits_130_cleanly(tmp_path, corpus, delay):
+    """SIGINT while importing, preparing data or compiling: a clean exit 130, never a crash."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *long_run_args(tmp_path, corpus)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_killed_three_times_ends_bit_for_bit_where_an_uninterrupted_run_ends(tmp_path, corpus):
+    """kill -9 at three random steps (seeded), resuming each time from the last checkpoint
+    (synchronous, every step): the final parameters equal an uninterrupted run's exactly."""
+    changes = {"train.steps": 24, "train.decay_steps": 24, "train.ckpt_every": 1, "train.eval_every": 8,
+               "train.async_checkpoints": False, "mesh.cpu_devices": 1}
+    kills = sorted(np.random.default_rng(7).choice(np.arange(3, 22), size=3, replace=False))
+    for step in kills:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *cli_args(tmp_path, corpus, "killed",
+                                                                                    **changes)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_step(tmp_path / "killed", step, proc)
+        finally:
+            proc.kill()
+            proc.wait()
+    for run in ("killed", "straight"):
+        out = run_train_py(cli_args(tmp_path, corpus, run, **changes))
+        assert out.returncode == 0, out.stderr[-2000:]
+    killed, straight = final_params(tmp_path / "killed"), final_params(tmp_path / "straight")
+    for a, b in zip(jax.tree.leaves(killed), jax.tree.leaves(straight), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_checkpoint_damaged_is_a_one_line_error(tmp_path, corpus):
+    from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.run import train
+
+    train(tiny_config(tmp_path, corpus))
+    for f in (tmp_path / "run" / "checkpoints").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"\0garbage")
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged \(steps \[6, 3\]\); start again "
+                                              "with another --config.run_dir"):
+        train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))
