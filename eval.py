@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxgpt.errors import quiet_closed_event_loops
+from jaxgpt.errors import quiet_library_threads
 
 SPLITS = ("val", "train", "all")
 DEFAULT_BATCH_SIZE = 8
@@ -177,7 +177,7 @@ def evaluate(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    quiet_closed_event_loops()
+    quiet_library_threads()
     from absl import logging as absl_logging
 
     from jaxgpt.checkpoint import CheckpointError

@@ -12,7 +12,7 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
-from jaxgpt.errors import one_line, quiet_closed_event_loops
+from jaxgpt.errors import one_line, quiet_library_threads
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
@@ -61,10 +61,11 @@ def write_sample(config) -> str:
 
 def main(argv) -> int:
     config = parse(argv)
-    quiet_closed_event_loops()
+    quiet_library_threads()
     from absl import logging as absl_logging
 
-    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's informational logs would bury the progress bar
+    # orbax logs its notes, and its failures twice over (they reach jaxgpt as exceptions, reported in one line)
+    absl_logging.set_verbosity(absl_logging.FATAL)
     import jax
 
     from jaxgpt import run, sharding, viz
@@ -73,7 +74,7 @@ def main(argv) -> int:
     try:
         sharding.start_jax(config)  # before JAX's first operation: CPU devices, hosts
         result = run.train(config)
-    except (ValueError, FileNotFoundError, run.TrainingError, CheckpointError) as error:
+    except (ValueError, OSError, run.TrainingError, CheckpointError) as error:
         fail(one_line(error, limit=2000))
     except KeyboardInterrupt:  # a second signal before training began: nothing to save
         print("train.py: stopped before the first step; run the same command to start again", file=sys.stderr)

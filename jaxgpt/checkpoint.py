@@ -4,6 +4,7 @@ a damaged checkpoint to the newest intact one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -114,8 +115,28 @@ class Checkpoints:
         if bad is not None:
             raise NonFiniteState(step, bad)
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), metrics=metrics,
-                          force=True, custom_metadata={"checksums": checksums})
+        with self._failed_writes():
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), metrics=metrics,
+                              force=True, custom_metadata={"checksums": checksums})
+
+    @contextlib.contextmanager
+    def _failed_writes(self):
+        """A failed write (this one, or an earlier asynchronous one that orbax reports now) as
+        one CheckpointError that names the last good checkpoint."""
+        try:
+            yield
+        except Exception as error:
+            good = [s for s in self.steps() if (self.directory / str(s)).is_dir()]
+            raise CheckpointError(f"writing a checkpoint in {self.directory} failed ({_reason(error)}); the last good "
+                                  f"checkpoint is {'step ' + str(good[-1]) if good else 'none'}: free the space (or "
+                                  "fix the file system) and run again to resume from it") from None
+
+    def check_saves(self) -> None:
+        """Raise CheckpointError (one line) when an asynchronous save has failed since the last
+        call (a full disk, a lost mount): called every step, so the run stops at once with its
+        last good checkpoint, instead of learning of it at the next save."""
+        with self._failed_writes():
+            self.manager.check_for_errors()
 
     def best_step(self) -> int | None:
         """The step with the lowest validation loss; the latest step when none was evaluated."""
@@ -189,8 +210,11 @@ class Checkpoints:
         return restored
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            with self._failed_writes():
+                self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
 
 
 def _move_aside(path: Path, checkpoints_dir: Path, name: str | None = None) -> Path:
@@ -227,3 +251,11 @@ def _parses(path: Path, kind: type) -> bool:
         return isinstance(json.loads(path.read_text(encoding="utf-8")), kind)
     except (ValueError, UnicodeDecodeError, OSError):
         return False
+
+
+def _reason(error: BaseException) -> str:
+    """Why a write failed, briefly: a full disk said as such, else the library's first line."""
+    text = str(error)
+    if "No space left on device" in text or "os_error_code='28'" in text:
+        return "no space left on the device"
+    return one_line(error, with_type=True)

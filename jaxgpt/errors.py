@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
+import traceback
 
 # reprs of library internals that mean nothing to a user: <bound method pybind11…>, <… object at 0x…>
 _LIBRARY_REPR = re.compile(r"<(?:bound method |built-in method |function )[^<>]*>|<[^<>]* object at 0x[0-9a-f]+>")
@@ -42,17 +44,24 @@ def _without_reprs(line: str) -> str:
     return line
 
 
-def quiet_closed_event_loops() -> None:
-    """For command-line programs: drop the "Event loop is closed" reports that orbax's
-    abandoned reads leave behind when a damaged checkpoint fails to restore (a traceback each,
-    with nothing to act on: the failure itself is reported in one line); any other exception
-    Python cannot raise is reported as before."""
-    previous = sys.unraisablehook
+def quiet_library_threads() -> None:
+    """For command-line programs: keep orbax's background failures from burying the one-line
+    error. Its write threads print their exception's traceback (which orbax then raises in the
+    caller, where jaxgpt reports it in one line), and its abandoned reads after a damaged
+    checkpoint leave "Event loop is closed" reports with nothing to act on. Both are dropped;
+    any other exception in a thread, or that Python cannot raise, is reported as before."""
+    if getattr(sys.unraisablehook, "quiets_library_threads", False):
+        return  # installed already
+    previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
 
-    def hook(unraisable) -> None:
+    def unraisable_hook(unraisable) -> None:
         value = unraisable.exc_value
-        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            return
-        previous(unraisable)
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous_unraisable(unraisable)
 
-    sys.unraisablehook = hook
+    def thread_hook(args) -> None:
+        if not any("/orbax/" in frame.filename for frame in traceback.extract_tb(args.exc_traceback)):
+            previous_thread(args)
+
+    unraisable_hook.quiets_library_threads = True
+    sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook

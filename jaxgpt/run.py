@@ -351,6 +351,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
         try:
             for _, batch in batches:
                 state, step_metrics = train_step(state, batch, jax.random.fold_in(key, step))
+                run.checkpoints.check_saves()
                 step += 1
                 meter.add(step, step_metrics)
                 stopping = stop.signal_name  # read once: a signal arriving later is seen next step

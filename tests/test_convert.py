@@ -462,6 +462,15 @@ def test_export_refuses_a_model_gpt2_cannot_express(tmp_path, capsys, bpe):
     assert status == 2 and err.startswith("export: error: run directory") and len(err.strip().splitlines()) == 1
 
 
+def test_export_to_a_file_is_a_one_line_error(tmp_path, capsys, bpe):
+    run = make_run_dir(tmp_path / "run", tiny(), bpe)
+    (tmp_path / "out.txt").write_text("keep me")
+    status, _, err = run_export(capsys, "--run_dir", run, "--out", tmp_path / "out.txt")
+    assert status == 2 and err.strip().splitlines() == [f"export: error: --out {tmp_path / 'out.txt'} is a file: give "
+                                                        "a directory to write the checkpoint into"]
+    assert (tmp_path / "out.txt").read_text() == "keep me"
+
+
 # --- parity with the reference implementation (the parity extra: torch + transformers) -------------
 
 

@@ -490,3 +490,34 @@ def test_every_checkpoint_damaged_is_a_one_line_error(tmp_path, corpus):
     with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged \(steps \[6, 3\]\); start again "
                                               "with another --config.run_dir"):
         train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_from_the_last_good_checkpoint(tmp_path, corpus):
+    """The run directory on a 600 KiB file system: an asynchronous save fails for want of
+    space; the run stops in one line naming the last good checkpoint, and once there is space
+    the same command resumes from it."""
+    import re
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip("needs to mount a small tmpfs (root)")
+    try:
+        args = cli_args(tmp_path, corpus, "small/run", **{"train.steps": 80, "train.decay_steps": 80,
+                                                          "train.ckpt_every": 2, "train.eval_every": 1000})
+        out = run_train_py(args)
+        assert out.returncode == 2, out.stderr[-2000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("train.py:")]
+        assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert "no space left on" in errors[0].lower()  # most often while saving, else writing metrics
+        saved = [int(p.name) for p in (small / "run" / "checkpoints").iterdir() if p.name.isdigit()]
+        good = max(saved)
+        if "the last good checkpoint is step" in errors[0]:
+            assert int(re.search(r"the last good checkpoint is step (\d+)", errors[0])[1]) == good
+        subprocess.run(["mount", "-o", "remount,size=16m", str(small)], check=True)
+        resumed = run_train_py(args)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert f"resuming at step {good};" in resumed.stderr
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
