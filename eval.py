@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxgpt.errors import quiet_library_threads
+from jaxgpt.errors import tidy_cli_output
 
 SPLITS = ("val", "train", "all")
 DEFAULT_BATCH_SIZE = 8
@@ -177,7 +177,7 @@ def evaluate(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    quiet_library_threads()
+    tidy_cli_output()
     from absl import logging as absl_logging
 
     from jaxgpt.checkpoint import CheckpointError

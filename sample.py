@@ -20,7 +20,7 @@ from absl import logging as absl_logging
 
 from jaxgpt import beam, convert, sampling, viz
 from jaxgpt.checkpoint import CheckpointError
-from jaxgpt.errors import quiet_library_threads
+from jaxgpt.errors import tidy_cli_output
 from jaxgpt.run import load_run
 from jaxgpt.text import TextStream, encode_prompt, format_next_tokens
 
@@ -153,7 +153,7 @@ def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int]) ->
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    quiet_library_threads()
+    tidy_cli_output()
     try:
         check_args(args)
         prompt = read_prompt(args)

@@ -12,7 +12,7 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
-from jaxgpt.errors import one_line, quiet_library_threads
+from jaxgpt.errors import one_line, tidy_cli_output
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
@@ -61,7 +61,7 @@ def write_sample(config) -> str:
 
 def main(argv) -> int:
     config = parse(argv)
-    quiet_library_threads()
+    tidy_cli_output()
     from absl import logging as absl_logging
 
     # orbax logs its notes, and its failures twice over (they reach jaxgpt as exceptions, reported in one line)

@@ -47,8 +47,9 @@ def tree_checksums(tree) -> dict[str, list[float]]:
     for i, (_, leaf) in enumerate(leaves):
         for shard in leaf.addressable_shards:
             if shard.replica_id == 0:
-                data = np.asarray(shard.data, np.float64)
-                sums[i] += (data.sum(), np.abs(data).sum())
+                with np.errstate(invalid="ignore", over="ignore"):  # NaN and ±inf are what this finds
+                    data = np.asarray(shard.data, np.float64)
+                    sums[i] += (data.sum(), np.abs(data).sum())
     if jax.process_count() > 1:  # gathered as raw 32-bit words: JAX would round float64 to float32
         words = multihost_utils.process_allgather(np.ascontiguousarray(sums).view(np.uint32))
         sums = np.ascontiguousarray(np.asarray(words, np.uint32)).view(np.float64).sum(axis=0)

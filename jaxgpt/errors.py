@@ -6,10 +6,12 @@ do; `one_line` turns a library's error (often many lines, sometimes a repr) into
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import threading
 import traceback
+import warnings
 
 # reprs of library internals that mean nothing to a user: <bound method pybind11…>, <… object at 0x…>
 _LIBRARY_REPR = re.compile(r"<(?:bound method |built-in method |function )[^<>]*>|<[^<>]* object at 0x[0-9a-f]+>")
@@ -44,13 +46,16 @@ def _without_reprs(line: str) -> str:
     return line
 
 
-def quiet_library_threads() -> None:
-    """For command-line programs: keep orbax's background failures from burying the one-line
-    error. Its write threads print their exception's traceback (which orbax then raises in the
-    caller, where jaxgpt reports it in one line), and its abandoned reads after a damaged
-    checkpoint leave "Event loop is closed" reports with nothing to act on. Both are dropped;
-    any other exception in a thread, or that Python cannot raise, is reported as before."""
-    if getattr(sys.unraisablehook, "quiets_library_threads", False):
+def tidy_cli_output() -> None:
+    """For command-line programs: one line per warning, and no library noise burying the
+    one-line error. Warnings print as "warning: message" (no source line). orbax's write
+    threads print their exception's traceback (orbax then raises it in the caller, where jaxgpt
+    reports it in one line), and its abandoned reads after a damaged checkpoint leave "Event
+    loop is closed" reports with nothing to act on: both are dropped. Any other exception in a
+    thread, or that Python cannot raise, is reported as before; so are asyncio's logs but for
+    orbax's write tasks, which fail together with the save jaxgpt reports."""
+    warnings.formatwarning = _warning_line
+    if getattr(sys.unraisablehook, "tidies_cli_output", False):
         return  # installed already
     previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
 
@@ -63,5 +68,11 @@ def quiet_library_threads() -> None:
         if not any("/orbax/" in frame.filename for frame in traceback.extract_tb(args.exc_traceback)):
             previous_thread(args)
 
-    unraisable_hook.quiets_library_threads = True
+    unraisable_hook.tidies_cli_output = True
     sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
+    # orbax's failed write tasks, each logged by asyncio as "Task exception was never retrieved"
+    logging.getLogger("asyncio").addFilter(lambda record: "/orbax/" not in record.getMessage())
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"

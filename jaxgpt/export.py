@@ -19,7 +19,7 @@ from absl import logging as absl_logging
 
 from jaxgpt import convert
 from jaxgpt.checkpoint import CheckpointError
-from jaxgpt.errors import quiet_library_threads
+from jaxgpt.errors import tidy_cli_output
 from jaxgpt.run import load_run
 
 
@@ -33,7 +33,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    quiet_library_threads()
+    tidy_cli_output()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     try:
         if Path(args.out).exists() and not Path(args.out).is_dir():

@@ -430,5 +430,5 @@ def _evaluation_line(step: int, record: dict[str, Any]) -> str:
 
 def _stopped_line(run: Run, interrupted: str, step: int) -> str:
     saved = run.checkpoints.steps()
-    return (f"stopped by {interrupted} at step {step}; the last checkpoint is step {saved[-1] if saved else 'none'} "
-            f"in {run.directory}. Run the same command again to resume.")
+    last = f"the last checkpoint is step {saved[-1]}" if saved else "there is no checkpoint yet"
+    return f"stopped by {interrupted} at step {step}; {last} in {run.directory}. Run the same command again to resume."

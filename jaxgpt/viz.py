@@ -33,7 +33,7 @@ from matplotlib.ticker import EngFormatter
 
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.config import GPTConfig
-from jaxgpt.errors import quiet_library_threads
+from jaxgpt.errors import tidy_cli_output
 from jaxgpt.metrics import current_records, read_metrics
 from jaxgpt.model import GPT
 from jaxgpt.run import load_run
@@ -246,7 +246,7 @@ def run(args) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    quiet_library_threads()
+    tidy_cli_output()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     try:
         out = run(args)
