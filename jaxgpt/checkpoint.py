@@ -194,8 +194,11 @@ class Checkpoints:
                 if not self.read_only:  # kept aside, so that this step can be written again
                     _move_aside(self.directory / str(candidate), self.directory)
                     self.manager.reload()
-        raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates}); "
-                              "start again with another --config.run_dir, or remove this one")
+        if self.read_only:
+            raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates})")
+        raise CheckpointError(f"every checkpoint in {self.directory} is damaged (steps {candidates}; moved to "
+                              f"{self.directory.parent / 'damaged_checkpoints'}): run the same command again to start "
+                              "from scratch")
 
     def _restore_checked(self, step: int, abstract: Any, partial: bool) -> Any:
         """The state (or its params) of `step`, checked against the checksums it was saved with

@@ -487,9 +487,12 @@ def test_every_checkpoint_damaged_is_a_one_line_error(tmp_path, corpus):
     for f in (tmp_path / "run" / "checkpoints").rglob("*"):
         if f.is_file() and f.parent.name == "d":
             f.write_bytes(b"\0garbage")
-    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged \(steps \[6, 3\]\); start again "
-                                              "with another --config.run_dir"):
+    message = (r"every checkpoint in .* is damaged \(steps \[6, 3\]; moved to .*damaged_checkpoints\): run the same "
+               "command again to start from scratch")
+    with pytest.raises(CheckpointError, match=message):
         train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))
+    assert train(tiny_config(tmp_path, corpus, **{"train.steps": 9}))["step"] == 9  # and so it does
+    assert run_records(tmp_path / "run")[-9:] == list(range(1, 10))
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_from_the_last_good_checkpoint(tmp_path, corpus):
