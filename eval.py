@@ -63,11 +63,17 @@ def parse_args(argv):
                         help="the largest share of <|unk|> targets accepted (default 0.01)")
     parser.add_argument("--mask_unknown", action="store_true",
                         help="leave <|unk|> targets out of the loss instead of refusing text with many")
+    parser.add_argument("--calibration", action="store_true",
+                        help="also measure calibration (ECE, Brier) and fit a temperature; with --run_dir, write "
+                             "calibration.json (the temperature sample.py --calibrated uses) and calibration.png")
+    parser.add_argument("--bins", type=int, default=15, help="confidence bins for --calibration (default 15)")
     return parser.parse_args(argv)
 
 
 def check_args(args) -> None:
     """Impossible values and combinations, found before anything is loaded."""
+    if args.bins < 1:
+        raise ValueError(f"--bins must be a positive integer, got {args.bins}")
     for name in ("step", "stride", "block_size", "batch_size", "max_batches"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "step" else 1):
@@ -160,7 +166,9 @@ def evaluate(args) -> dict:
         result = evaluate_tokens(config, params, tokens, bytes_per_token, batch_size=batch_size, stride=stride,
                                  max_batches=args.max_batches, on_batch=on_batch,
                                  ignore_id=tokenizer.unk_id if args.mask_unknown else None)
+    calibrated = calibrate(args, config, params, tokens, batch_size, stride) if args.calibration else {}
     return {
+        **calibrated,
         "loss": result["val_loss"],
         "perplexity": result["val_ppl"],
         "bits_per_byte": result["val_bpb"],
@@ -173,6 +181,23 @@ def evaluate(args) -> dict:
         "block_size": config.block_size,
         "stride": stride or config.block_size,
     }
+
+
+def calibrate(args, config, params, tokens, batch_size: int, stride) -> dict:
+    """Calibration before and after temperature scaling: a table on stdout; with --run_dir,
+    calibration.json and calibration.png in the run directory. Returns the JSON line's part."""
+    from jaxgpt import viz
+    from jaxgpt.analysis import calibration
+    from jaxgpt.files import write_json
+
+    predictions = calibration.collect_predictions(config, params, tokens, batch_size=batch_size, stride=stride)
+    report = calibration.calibration_report(predictions, bins=args.bins)
+    print(calibration.format_report(report))
+    if args.run_dir is not None:
+        write_json(Path(args.run_dir) / "calibration.json", report)
+        viz.plot_reliability(report, Path(args.run_dir) / "calibration.png", title=Path(args.run_dir).name)
+    return {"temperature": report["temperature"], "ece_before": report["before"]["ece_width"],
+            "ece_after": report["after"]["ece_width"]}
 
 
 def main(argv=None) -> int:

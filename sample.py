@@ -12,6 +12,7 @@ the tokenizer's <|eos|>. The work is done by jaxgpt.sampling, jaxgpt.beam and ja
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def parse_args(argv):
     parser.add_argument("--beams", type=int, help="beam search with this many beams instead of sampling")
     parser.add_argument("--step", type=int, help="with --run_dir: the checkpoint step (default: the best by validation "
                                                  "loss, or the newest intact one when that is damaged)")
+    parser.add_argument("--calibrated", action="store_true",
+                        help="divide the logits by the temperature eval.py --calibration fitted (calibration.json)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
     parser.add_argument("--show_probs", type=int, metavar="K",
@@ -61,6 +64,8 @@ def check_args(args) -> None:
     """Impossible values and combinations, found before anything is loaded."""
     if args.step is not None and args.hf_dir is not None:
         raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
+    if args.calibrated and args.run_dir is None:
+        raise ValueError("--calibrated uses the temperature eval.py --calibration fitted for a run: give --run_dir")
     for name in ("num_samples", "max_new_tokens", "show_probs", "beams"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -112,9 +117,21 @@ def row_of(records, i):
     return None if records is None else records[i]
 
 
+def calibrated_temperature(run_dir: Path) -> float:
+    """The temperature T* that eval.py --calibration fitted for the run."""
+    path = run_dir / "calibration.json"
+    try:
+        return float(json.loads(path.read_text(encoding="utf-8"))["temperature"])
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: run eval.py --run_dir {run_dir} --calibration first") from None
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{path} holds no temperature: run eval.py --run_dir {run_dir} --calibration again") \
+            from None
+
+
 def sampling_options(args, **more) -> sampling.SamplingOptions:
     """The arguments' SamplingOptions (ValueError for impossible ones), with `more` fields."""
-    temperature = 1.0 if args.temperature is None else args.temperature
+    temperature = (1.0 if args.temperature is None else args.temperature) * getattr(args, "calibrated_t", 1.0)
     return sampling.SamplingOptions(args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                                     **more)
 
@@ -160,6 +177,8 @@ def main(argv=None) -> int:
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
         params, config, tokenizer = (load_run(args.run_dir, step=args.step) if args.run_dir is not None
                                      else convert.load_hf_run(args.hf_dir))
+        if args.calibrated:
+            args.calibrated_t = calibrated_temperature(Path(args.run_dir))
         ids = encode_prompt(tokenizer, prompt)
         if args.attention_png:
             viz.draw_attention(params, config, tokenizer, ids, args.attention_png, layer=args.attention_layer,

@@ -183,6 +183,28 @@ def plot_next_token(labels: list[str], probs, out, title: str = "") -> Path:
     return save(fig, out)
 
 
+def plot_reliability(report: dict, out, title: str = "") -> Path:
+    """Reliability diagram of a calibration report (jaxgpt.analysis.calibration): accuracy against
+    mean confidence per equal-width bin, before and after temperature scaling, with the bins'
+    counts below; the diagonal is perfect calibration."""
+    fig = Figure(figsize=(WIDTH, 4.2), dpi=DPI, layout="constrained")
+    curves, counts = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    curves.plot([0, 1], [0, 1], color="0.6", linewidth=1, linestyle="--", label="perfectly calibrated")
+    for name, t in (("before", 1.0), ("after", report["temperature"])):
+        conf, acc, n = zip(*report[name]["reliability"], strict=True)
+        label = f"{name}: T={t:.3f}, ECE={report[name]['ece_width']:.4f}"
+        curves.plot(conf, acc, marker="o", markersize=3, linewidth=1.2, label=label)
+        counts.bar(conf, n, width=0.9 / report["bins"], alpha=0.5, label=name)
+    curves.set_ylabel("accuracy of the top-1 token")
+    curves.legend(fontsize=8)
+    counts.set_xlabel("confidence (probability of the top-1 token)")
+    counts.set_ylabel("targets")
+    for ax in (curves, counts):
+        ax.grid(alpha=0.3)
+    curves.set_title(f"{title}: reliability" if title else "reliability", fontsize=10, parse_math=False)
+    return save(fig, out)
+
+
 def draw_attention(params, cfg: GPTConfig, tokenizer, token_ids, out, layer: int = 0, name: str = "") -> Path:
     """The attention picture of a prompt's tokens (what `sample.py --attention_png` draws)."""
     maps = attention_maps(params, cfg, token_ids, layer)

@@ -234,3 +234,27 @@ def test_a_model_is_required(cli, capsys):
         cli.main(["--data", "x"])
     assert exit_.value.code == 2
     assert "one of the arguments --run_dir --hf_dir is required" in capsys.readouterr().err
+
+
+def test_calibration_table_files_and_calibrated_sampling(cli, capsys, run):
+    from jaxgpt.analysis import calibration
+
+    path, cfg, params, tokenizer = run
+    status = cli.main(["--run_dir", str(path), "--calibration", "--bins", "5"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    *table, line = out.strip().splitlines()
+    line = json.loads(line)
+    assert table[0].startswith("calibration over") and table[2].startswith("before (T=1.000)")
+    saved = json.loads((path / "calibration.json").read_text())
+    assert saved["temperature"] == pytest.approx(line["temperature"]) and saved["temperature"] > 0
+    tokens = np.asarray(val_tokens(tokenizer)[1])
+    predictions = calibration.collect_predictions(cfg, params, tokens, batch_size=BATCH)
+    assert saved["temperature"] == pytest.approx(calibration.fit_temperature(predictions), rel=1e-6)
+    assert (path / "calibration.png").stat().st_size > 1000
+    sample = load_script("sample.py")
+    assert sample.main(["--run_dir", str(path), "--prompt", "t", "--max_new_tokens", "5", "--calibrated"]) == 0
+    capsys.readouterr()
+    (path / "calibration.json").unlink()
+    assert sample.main(["--run_dir", str(path), "--prompt", "t", "--calibrated"]) == 2
+    assert "run eval.py --run_dir" in capsys.readouterr().err

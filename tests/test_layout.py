@@ -24,7 +24,7 @@ LAYERS = (
     ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("optim", "data", "model"),
     ("training", "decoding", "convert"),
-    ("evaluation", "sampling", "beam"),
+    ("evaluation", "sampling", "beam", "analysis"),
     ("text",),
     ("run",),
     ("viz", "export"),

@@ -1,0 +1,1 @@
+"""Analysis of a trained model: how far to trust its probabilities (calibration.py)."""
