@@ -205,6 +205,43 @@ def plot_reliability(report: dict, out, title: str = "") -> Path:
     return save(fig, out)
 
 
+def plot_composition(scores: dict, n_head: int, out, title: str = "") -> Path:
+    """Heatmaps of Q-, K- and V-composition scores between heads (rows: the earlier head, columns:
+    the later one, both numbered layer·n_head + head), with lines between layers."""
+    fig = Figure(figsize=(WIDTH, WIDTH / 3 + 0.6), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, len(scores))
+    for ax, (kind, matrix) in zip(axes, scores.items(), strict=True):
+        image = ax.imshow(np.ma.masked_invalid(matrix), vmin=0, vmax=np.nanmax(matrix) if np.isfinite(matrix).any()
+                          else 1, cmap="viridis")
+        for boundary in range(n_head, matrix.shape[0], n_head):
+            ax.axhline(boundary - 0.5, color="white", linewidth=0.5)
+            ax.axvline(boundary - 0.5, color="white", linewidth=0.5)
+        ax.set_title(f"{kind.upper()}-composition", fontsize=10)
+        ax.set_xlabel("later head")
+        ax.set_ylabel("earlier head")
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.suptitle(f"{title}: composition scores" if title else "composition scores", fontsize=11, parse_math=False)
+    return save(fig, out)
+
+
+def plot_spectra(spectra: dict, out, title: str = "") -> Path:
+    """The singular values of every head's W_QK and W_OV, one line per head, by layer colour."""
+    fig = Figure(figsize=(WIDTH, 3.4), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, (name, values) in zip(axes, spectra.items(), strict=True):
+        n_layer = values.shape[0]
+        for layer in range(n_layer):
+            for head, head_values in enumerate(values[layer]):
+                ax.semilogy(np.arange(1, len(head_values) + 1), np.maximum(head_values, 1e-12),
+                            color=f"C{layer % 10}", linewidth=0.8, alpha=0.8, label=None if head else f"layer {layer}")
+        ax.set_title(f"W_{name.upper()} singular values", fontsize=10)
+        ax.set_xlabel("index")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=11, parse_math=False)
+    return save(fig, out)
+
+
 def draw_attention(params, cfg: GPTConfig, tokenizer, token_ids, out, layer: int = 0, name: str = "") -> Path:
     """The attention picture of a prompt's tokens (what `sample.py --attention_png` draws)."""
     maps = attention_maps(params, cfg, token_ids, layer)

@@ -24,10 +24,11 @@ LAYERS = (
     ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("optim", "data", "model"),
     ("training", "decoding", "convert"),
-    ("evaluation", "sampling", "beam", "analysis"),
+    ("evaluation", "sampling", "beam"),
     ("text",),
     ("run",),
-    ("viz", "export"),
+    ("viz",),
+    ("analysis", "export"),
     ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside
 )
 MAX_MODULE_LINES = 500
