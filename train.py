@@ -9,10 +9,8 @@ command again resumes from the last checkpoint.
 import sys
 from pathlib import Path
 
-from absl import flags
-from ml_collections import config_flags
-
-from jaxgpt.errors import one_line, tidy_cli_output
+from jaxgpt.cli import parse_config
+from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
@@ -25,25 +23,9 @@ def fail(message: str) -> None:
 def parse(argv):
     """The config file and its command-line overrides; a bad one is a one-line error."""
     try:
-        config_flag = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "a configs/*.py file",
-                                                      sys_argv=argv)
-        flags.FLAGS(argv)
-        config = config_flag.value
-        config.to_dict()  # a config file that failed to load raises here
-    except SyntaxError as error:
-        fail(f"{error.filename}:{error.lineno}: {error.msg} (a syntax error in the config file)")
-    except (AttributeError, KeyError) as error:  # an override naming a key the config does not have
-        from jaxgpt.config import load_config, unknown_key
-
-        overrides = [arg.split("=", 1)[0][len("--config."):] for arg in argv if arg.startswith("--config.")]
-        files = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
-        base = load_config(files[-1] if files else DEFAULT_CONFIG)
-        fail(next(filter(None, (unknown_key(base, key) for key in overrides)), None) or one_line(error))
-    except (flags.Error, ValueError, TypeError, ImportError, OSError) as error:
-        fail(" ".join(line.strip() for line in str(error).strip().splitlines()) or type(error).__name__)
-    if config.run_dir is None:
-        config.run_dir = str(Path("runs") / Path(flags.FLAGS["config"].config_filename).stem)
-    return config
+        return parse_config(argv, DEFAULT_CONFIG)
+    except ConfigError as error:
+        fail(str(error))
 
 
 def write_sample(config) -> str:

@@ -81,6 +81,23 @@ def plot_loss(run_dir, out=None) -> Path:
     return save(fig, out)
 
 
+def plot_curves(curves: dict[str, list[tuple[int, float]]], out, title: str = "") -> Path:
+    """Validation loss against step, one line per run (a sweep's cells)."""
+    fig = Figure(figsize=(WIDTH, 4.0), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    for name, points in curves.items():
+        if points:
+            steps, losses = zip(*points, strict=True)
+            ax.plot(steps, losses, marker="o", markersize=2.5, linewidth=1.1, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=7, ncol=2 if len(curves) > 8 else 1)
+    ax.set_title(f"{title}: validation loss" if title else "validation loss", fontsize=10, parse_math=False)
+    return save(fig, out)
+
+
 # --- what the model computes -----------------------------------------------------------------
 
 

@@ -22,13 +22,13 @@ PACKAGE = ROOT / "jaxgpt"
 LAYERS = (
     ("errors", "files"),
     ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
-    ("optim", "data", "model"),
+    ("optim", "data", "model", "cli"),
     ("training", "decoding", "convert"),
     ("evaluation", "sampling", "beam"),
     ("text",),
     ("run",),
     ("viz",),
-    ("analysis", "export"),
+    ("analysis", "export", "sweep"),
     ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside
 )
 MAX_MODULE_LINES = 500

@@ -1,0 +1,46 @@
+"""The command line of a run: a configs/*.py file and `--config.section.key=value` overrides,
+parsed into the run's ConfigDict (train.py, jaxgpt.sweep). Each call parses afresh, so a
+process can read several configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from absl import flags
+from ml_collections import config_flags
+
+from jaxgpt.config import load_config, unknown_key
+from jaxgpt.errors import ConfigError, one_line
+
+
+def parse_config(argv: list[str], default_file: str | os.PathLike):
+    """The config of `argv` (argv[0] is the program): `--config=FILE` (default `default_file`)
+    with its overrides, run_dir defaulting to runs/<config file name>. ConfigError (one line)
+    for a config file that does not load, an unknown key or a value of the wrong type."""
+    flag_values = flags.FlagValues()
+    try:
+        holder = config_flags.DEFINE_config_file("config", str(default_file), "a configs/*.py file",
+                                                 flag_values=flag_values, sys_argv=argv)
+        flag_values(argv)
+        config = holder.value
+        config.to_dict()  # a config file that failed to load raises here
+    except SyntaxError as error:
+        raise ConfigError(f"{error.filename}:{error.lineno}: {error.msg} (a syntax error in the config file)") \
+            from None
+    except (AttributeError, KeyError) as error:  # an override naming a key the config does not have
+        overrides = [arg.split("=", 1)[0][len("--config."):] for arg in argv if arg.startswith("--config.")]
+        base = load_config(_config_file(argv, default_file))
+        raise ConfigError(next(filter(None, (unknown_key(base, key) for key in overrides)), None)
+                          or one_line(error)) from None
+    except (flags.Error, ValueError, TypeError, ImportError, OSError) as error:
+        raise ConfigError(" ".join(line.strip() for line in str(error).strip().splitlines())
+                          or type(error).__name__) from None
+    if config.run_dir is None:
+        config.run_dir = str(Path("runs") / Path(_config_file(argv, default_file)).stem)
+    return config
+
+
+def _config_file(argv: list[str], default_file: str | os.PathLike) -> str:
+    files = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    return files[-1] if files else str(default_file)
