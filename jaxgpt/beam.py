@@ -12,8 +12,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.config import GPTConfig
-from jaxgpt.decoding import is_int, is_number, next_logits, prompt_batch, start_cache
+from jaxgpt.config import GPTConfig, is_int, is_number
+from jaxgpt.decoding import next_logits, prompt_batch, start_cache
 from jaxgpt.model import KVCache
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from ml_collections import ConfigDict, config_dict
 
 from jaxgpt.errors import ConfigError, DataError
@@ -150,12 +151,14 @@ def _has_gpu() -> bool:
         return False
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def is_number(value: Any) -> bool:
+    """A Python or NumPy integer or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _from_mapping(cls, values: Mapping[str, Any], section: str):
@@ -214,9 +217,9 @@ class DataConfig:
             _check_data(value is None or (isinstance(value, str) and value), key, value, "None or a non-empty string")
         for key in ("vocab_size", "max_documents", "max_bytes", "eval_stride"):
             value = getattr(self, key)
-            _check_data(value is None or (_is_int(value) and value > 0), key, value, "None or a positive integer")
+            _check_data(value is None or (is_int(value) and value > 0), key, value, "None or a positive integer")
         fraction = self.val_fraction
-        _check_data(_is_number(fraction) and 0 <= fraction < 1, "val_fraction", fraction, "a number in [0, 1)")
+        _check_data(is_number(fraction) and 0 <= fraction < 1, "val_fraction", fraction, "a number in [0, 1)")
         if self.tokenizer == "bpe" and self.vocab_size is None:
             raise DataError("data.tokenizer='bpe' needs data.vocab_size (e.g. 4096; at least 259: 256 bytes + 3 "
                             "special tokens)")
@@ -274,22 +277,22 @@ class TrainConfig:
         positive = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
                     "keep_checkpoints")
         for key in positive:
-            _check_train(self, _is_int(getattr(self, key)) and getattr(self, key) > 0, key, "a positive integer")
+            _check_train(self, is_int(getattr(self, key)) and getattr(self, key) > 0, key, "a positive integer")
         for key in ("seed", "warmup_steps"):
-            _check_train(self, _is_int(getattr(self, key)) and getattr(self, key) >= 0, key, "an integer ≥ 0")
+            _check_train(self, is_int(getattr(self, key)) and getattr(self, key) >= 0, key, "an integer ≥ 0")
         for key in ("decay_steps", "eval_max_batches"):
             value = getattr(self, key)
-            _check_train(self, value is None or (_is_int(value) and value > 0), key, "None or a positive integer")
+            _check_train(self, value is None or (is_int(value) and value > 0), key, "None or a positive integer")
         for key in ("lr", "min_lr", "weight_decay", "clip", "eps"):
-            _check_train(self, _is_number(getattr(self, key)) and getattr(self, key) >= 0, key, "a number ≥ 0")
+            _check_train(self, is_number(getattr(self, key)) and getattr(self, key) >= 0, key, "a number ≥ 0")
         for key in ("b1", "b2"):
             value = getattr(self, key)
-            _check_train(self, _is_number(value) and 0 <= value < 1, key, "a number in [0, 1)")
+            _check_train(self, is_number(value) and 0 <= value < 1, key, "a number in [0, 1)")
         for key in ("decay_embeddings", "async_checkpoints"):
             _check_train(self, isinstance(getattr(self, key), bool), key, "True or False")
         for key in ("peak_flops", "memory_limit_gib"):
             value = getattr(self, key)
-            _check_train(self, value is None or (_is_number(value) and value > 0), key, "None or a positive number")
+            _check_train(self, value is None or (is_number(value) and value > 0), key, "None or a positive number")
         if self.schedule_steps <= self.warmup_steps:
             raise ConfigError(f"train.decay_steps={self.schedule_steps} must exceed train.warmup_steps="
                               f"{self.warmup_steps}: the cosine needs at least one step after the warmup")

@@ -160,13 +160,3 @@ def _check_ids(config: GPTConfig, ids: np.ndarray) -> None:
 def is_concrete(x) -> bool:
     """Not a value traced under jit (whose contents cannot be checked)."""
     return not isinstance(x, jax.core.Tracer)
-
-
-def is_int(x) -> bool:
-    """A Python or NumPy integer, not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def is_number(x) -> bool:
-    """A Python or NumPy integer or float, not a bool."""
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)

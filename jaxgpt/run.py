@@ -227,11 +227,12 @@ def load_run(run_dir, step: int | None = None):
         if not path.is_file():
             raise ValueError(f"{run_dir} has no {path.name}, so it is not a complete run directory")
     try:
-        config = GPTConfig.from_dict(json.loads(config_path.read_text(encoding="utf-8"))["model"])
+        saved = json.loads(config_path.read_text(encoding="utf-8"))
+        config = GPTConfig.from_dict(saved["model"])
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{config_path} does not hold a model config ({type(err).__name__}: {err})") from None
     tokenizer = tokenizers.load(tokenizer_path)
-    pinned = json.loads(config_path.read_text(encoding="utf-8")).get("tokenizer_sha256")
+    pinned = saved.get("tokenizer_sha256")
     if pinned and data.tokenizer_hash(tokenizer) != pinned:
         raise ValueError(f"{tokenizer_path} is not the tokenizer this run was trained with (its hash differs from the "
                          f"one in {config_path}): restore the run's own tokenizer.json")

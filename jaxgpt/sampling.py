@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.config import GPTConfig
-from jaxgpt.decoding import is_concrete, is_int, is_number, next_logits, prompt_batch, start_cache
+from jaxgpt.config import GPTConfig, is_int, is_number
+from jaxgpt.decoding import is_concrete, next_logits, prompt_batch, start_cache
 from jaxgpt.model import KVCache
 
 # --- the sampling maths: pure functions of logits (V,) or (..., V) ---------------------------

@@ -83,8 +83,9 @@ def run_cell(argv: list[str], out: Path, cell: str, overrides: list[str], seed: 
     return "stopped" if result["interrupted"] else "done"
 
 
-def summarize(out: Path, names: list[tuple[str, int]]) -> list[dict]:
-    rows = []
+def summarize(out: Path, names: list[tuple[str, int]]) -> tuple[list[dict], dict[str, list[tuple[int, float]]]]:
+    """A row per evaluated cell, and each cell's validation loss against step."""
+    rows, curves = [], {}
     for cell, seed in names:
         records = metrics.current_records(metrics.read_metrics(out / cell))
         evaluated = [r for r in records if r.get("val_loss") is not None]
@@ -95,10 +96,11 @@ def summarize(out: Path, names: list[tuple[str, int]]) -> list[dict]:
                      "best_val_loss": min(r["val_loss"] for r in evaluated), "val_bpb": evaluated[-1]["val_bpb"],
                      "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in records),
                      "params": param_count(GPTConfig.from_dict(model)), "steps": records[-1]["step"]})
-    return rows
+        curves[cell] = [(r["step"], r["val_loss"]) for r in evaluated]
+    return rows, curves
 
 
-def write_summary(out: Path, rows: list[dict]) -> None:
+def write_summary(out: Path, rows: list[dict], curves: dict[str, list[tuple[int, float]]]) -> None:
     with open(out / "summary.csv", "w", newline="") as file:
         writer = csv.DictWriter(file, COLUMNS)
         writer.writeheader()
@@ -117,8 +119,6 @@ def write_summary(out: Path, rows: list[dict]) -> None:
         lines.append(f"| {setting} | {len(group)} | {stat('final_val_loss', '.4f')} | {stat('best_val_loss', '.4f')} "
                      f"| {stat('val_bpb', '.3f')} | {stat('tokens_per_sec', ',.0f')} | {group[0]['params']:,} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
-    curves = {row["cell"]: [(r["step"], r["val_loss"]) for r in metrics.current_records(
-        metrics.read_metrics(out / row["cell"])) if r.get("val_loss") is not None] for row in rows}
     viz.plot_curves(curves, out / "val_loss.png", title=out.name)
 
 
@@ -142,8 +142,7 @@ def main(argv=None) -> int:
             if status == "stopped":
                 print("sweep stopped; run the same command again to resume", file=sys.stderr)
                 return 130
-        rows = summarize(out, [(cell, seed) for cell, _, seed in plan])
-        write_summary(out, rows)
+        write_summary(out, *summarize(out, [(cell, seed) for cell, _, seed in plan]))
     except (ValueError, OSError, CheckpointError) as error:
         print(f"jaxgpt.sweep: error: {error}", file=sys.stderr)
         return 2
