@@ -12,6 +12,7 @@ Generation passes an explicit `KVCache` in and gets the updated one back.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import flax.struct
@@ -41,15 +42,19 @@ def residual_std(cfg: GPTConfig) -> float:
 class KVCache:
     """Keys and values of every layer for positions already seen, and where each row is.
 
-    keys[l], values[l]: (B, L, H, D); slot s holds position s. index: (B,) the number of
-    positions written so far in each row: the next tokens are written at index, index+1, …
-    Setting index lower (e.g. to each prompt's true length after a padded prefill) is
-    allowed: slots at or past index are never attended to before they are written again.
+    keys[l], values[l]: (B, L, H, D). positions, segments: (B, L) the position and segment
+    (example) of the token in each slot; unless a call says otherwise, slot s holds position
+    s of segment 0. index: (B,) the number of slots written so far in each row: the next
+    tokens are written at index, index+1, … Setting index lower (e.g. to each prompt's true
+    length after a padded prefill) is allowed: slots at or past index are never attended to
+    before they are written again.
     """
 
     keys: tuple
     values: tuple
     index: jax.Array
+    positions: jax.Array
+    segments: jax.Array
 
     @property
     def max_length(self) -> int:
@@ -64,16 +69,18 @@ def init_cache(cfg: GPTConfig, batch_size: int, max_length: int | None = None, d
     dtype = cfg.compute_dtype if dtype is None else dtype
     shape = (batch_size, max_length, cfg.n_head, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
-    return KVCache(keys=zeros, values=zeros, index=jnp.zeros((batch_size,), jnp.int32))
+    slots = jnp.broadcast_to(jnp.arange(max_length, dtype=jnp.int32), (batch_size, max_length))
+    return KVCache(keys=zeros, values=zeros, index=jnp.zeros((batch_size,), jnp.int32), positions=slots,
+                   segments=jnp.zeros((batch_size, max_length), jnp.int32))
 
 
-def write_cache(cache_keys, cache_values, index, k, v):
-    """Write k, v (B, T, H, D) into the cache slots index[b] … index[b]+T−1 of each row."""
+def write_rows(cache_rows, new_rows, index):
+    """Write new_rows (B, T, …) into the slots index[b] … index[b]+T−1 of each row of cache_rows (B, L, …)."""
     def write_row(cache_row, new_row, start):
-        return jax.lax.dynamic_update_slice(cache_row, new_row.astype(cache_row.dtype), (start, 0, 0))
+        start_at = (start,) + (0,) * (cache_row.ndim - 1)
+        return jax.lax.dynamic_update_slice(cache_row, new_row.astype(cache_row.dtype), start_at)
 
-    write = jax.vmap(write_row)
-    return write(cache_keys, k, index), write(cache_values, v, index)
+    return jax.vmap(write_row)(cache_rows, new_rows, index)
 
 
 # --- modules ------------------------------------------------------------------------------
@@ -143,35 +150,54 @@ def make_norm(cfg: GPTConfig, name: str) -> nn.Module:
     return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](cfg, name=name)
 
 
+class Where(NamedTuple):
+    """Where the queries and keys of a block sit: positions (B, T) and (B, S), and segments
+    (the example each token belongs to when several are packed in a row; None: one sequence).
+    A query sees a key iff the key's position is not later and, with segments, it is of the
+    same segment: causal within each packed example, never across."""
+
+    q_positions: jax.Array
+    k_positions: jax.Array
+    q_segments: jax.Array | None = None
+    k_segments: jax.Array | None = None
+
+    def mask(self):
+        """(B, 1, T, S): ops.position_mask, and ops.segment_mask with segments."""
+        mask = ops.position_mask(self.q_positions, self.k_positions)
+        if self.q_segments is not None:
+            mask = mask & ops.segment_mask(self.q_segments, self.k_segments)
+        return mask[:, None]
+
+    def queries(self, start: int, end: int, keys_end: int) -> Where:
+        """Queries start…end−1 against keys 0…keys_end−1."""
+        segments = (None, None) if self.q_segments is None else (
+            self.q_segments[:, start:end], self.k_segments[:, :keys_end])
+        return Where(self.q_positions[:, start:end], self.k_positions[:, :keys_end], *segments)
+
+
 class CausalSelfAttention(nn.Module):
     """MHA(X) = concat_h(softmax(Q_h K_hᵀ/√d_k + M) V_h) W_O, with Q, K, V = X W_Q, X W_K, X W_V."""
 
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache=None, *, deterministic=True):
+    def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True):
         cfg = self.cfg
         qkv = Linear((3, cfg.n_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="c_attn")(x)
         q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]  # each (B, T, H, D)
         if cfg.positions == "rope":
-            q, k = ops.rope(q, positions, cfg.rope_base), ops.rope(k, positions, cfg.rope_base)
-
-        if layer_cache is None:
-            k_positions = positions
-        else:
+            q, k = ops.rope(q, where.q_positions, cfg.rope_base), ops.rope(k, where.q_positions, cfg.rope_base)
+        if layer_cache is not None:  # the new keys join those of the earlier positions
             cache_keys, cache_values, index = layer_cache
-            k, v = write_cache(cache_keys, cache_values, index, k, v)
+            k, v = write_rows(cache_keys, k, index), write_rows(cache_values, v, index)
             layer_cache = (k, v)
-            k_positions = jnp.arange(k.shape[1])[None, :]  # slot s holds position s
 
-        def mask_and_bias(q_positions, k_positions):
-            mask = ops.position_mask(q_positions, k_positions)[:, None]  # (B, 1, T, S)
-            bias = ops.alibi_bias_at(cfg.n_head, q_positions, k_positions) if cfg.positions == "alibi" else None
-            return mask, bias
+        def alibi(where: Where):
+            return ops.alibi_bias_at(cfg.n_head, where.q_positions, where.k_positions) \
+                if cfg.positions == "alibi" else None
 
-        def explicit(q, k, v, q_positions, k_positions, whole=True):
-            mask, bias = mask_and_bias(q_positions, k_positions)
-            weights = ops.attention_weights(q, k, mask, bias)
+        def explicit(q, k, v, where: Where, whole=True):
+            weights = ops.attention_weights(q, k, where.mask(), alibi(where))
             if whole:  # the (T, S) map of all the queries, for pictures
                 self.sow("intermediates", "attention_weights", weights)
             return ops.attend(Dropout(cfg.dropout)(weights, deterministic), v)
@@ -181,15 +207,16 @@ class CausalSelfAttention(nn.Module):
             # positions 0…T−1: the queries of block i see only the keys up to the end of block i
             # (the rest are masked), so each block's QKᵀ and AV skip those keys.
             context = jnp.concatenate([
-                explicit(q[:, start:end], k[:, :end], v[:, :end], positions[:, start:end], k_positions[:, :end], False)
+                explicit(q[:, start:end], k[:, :end], v[:, :end], where.queries(start, end, end), False)
                 for start in range(0, T, ATTENTION_BLOCK) for end in [min(start + ATTENTION_BLOCK, T)]
             ], axis=1)
         elif cfg.attention in ("explicit", "blocked"):
-            context = explicit(q, k, v, positions, k_positions)
+            context = explicit(q, k, v, where)
         else:
-            mask, bias = mask_and_bias(positions, k_positions)
+            bias = alibi(where)
             context = jax.nn.dot_product_attention(
-                q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask, implementation=cfg.attention
+                q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=where.mask(),
+                implementation=cfg.attention
             )
         out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, init_std=residual_std(cfg), name="c_proj")(context)
         return out, layer_cache
@@ -217,11 +244,11 @@ class Block(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x, positions, layer_cache=None, deterministic=True):
+    def __call__(self, x, where: Where, layer_cache=None, deterministic=True):
         cfg = self.cfg
         ln_1, attn, mlp = make_norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
         drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
-        mha = lambda h: attn(h, positions, layer_cache, deterministic=deterministic)  # noqa: E731
+        mha = lambda h: attn(h, where, layer_cache, deterministic=deterministic)  # noqa: E731
 
         if cfg.parallel_block:
             h = ln_1(x)
@@ -240,22 +267,34 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U.
 
-    With `cache`, the tokens are positions cache.index … cache.index+T−1 of each row, their
-    keys and values are written into the cache, and `(logits, new_cache)` is returned.
-    Dropout is applied only when deterministic=False and a 'dropout' RNG is given.
+    positions (B, T): each token's position, default 0…T−1 (with a cache: cache.index …
+    cache.index+T−1). segments (B, T): with several examples packed in a row, the example
+    each token belongs to (their positions restart at 0): attention is causal within an
+    example and never crosses into another. None: the row is one sequence.
+
+    With `cache`, the tokens are written into the slots cache.index … cache.index+T−1 of
+    each row with their keys, values, positions and segments, and `(logits, new_cache)` is
+    returned. Dropout is applied only when deterministic=False and a 'dropout' RNG is given.
     """
 
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens, cache: KVCache | None = None, *, deterministic: bool = True):
+    def __call__(self, tokens, cache: KVCache | None = None, *, positions=None, segments=None,
+                 deterministic: bool = True):
         cfg = self.cfg
         deterministic = deterministic or not self.has_rng("dropout")
         T = tokens.shape[-1]
+        if positions is None:
+            positions = jnp.arange(T)[None, :] if cache is None else cache.index[:, None] + jnp.arange(T)[None, :]
         if cache is None:
-            positions = jnp.arange(T)[None, :]
+            where = Where(positions, positions, segments, segments)
         else:
-            positions = cache.index[:, None] + jnp.arange(T)[None, :]
+            segments = jnp.zeros(tokens.shape, jnp.int32) if segments is None else segments
+            cache = cache.replace(positions=write_rows(cache.positions, jnp.broadcast_to(positions, tokens.shape),
+                                                       cache.index),
+                                  segments=write_rows(cache.segments, segments, cache.index))
+            where = Where(positions, cache.positions, segments, cache.segments)
 
         wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal(INIT_STD),
                        dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wte")
@@ -277,7 +316,7 @@ class GPT(nn.Module):
         new_keys, new_values = [], []
         for layer in range(cfg.n_layer):
             layer_cache = None if cache is None else (cache.keys[layer], cache.values[layer], cache.index)
-            x, layer_cache = block(cfg, name=f"h_{layer}")(x, positions, layer_cache, deterministic)
+            x, layer_cache = block(cfg, name=f"h_{layer}")(x, where, layer_cache, deterministic)
             if cache is not None:
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])
@@ -290,7 +329,7 @@ class GPT(nn.Module):
         logits = logits.astype(jnp.float32)
         if cache is None:
             return logits
-        return logits, KVCache(keys=tuple(new_keys), values=tuple(new_values), index=cache.index + T)
+        return logits, cache.replace(keys=tuple(new_keys), values=tuple(new_values), index=cache.index + T)
 
 
 # --- sizes ----------------------------------------------------------------------------------

@@ -47,6 +47,12 @@ def position_mask(q_positions, k_positions):
     return k_positions[..., None, :] <= q_positions[..., :, None]
 
 
+def segment_mask(q_segments, k_segments):
+    """M[..., t, s] = (seg_k[s] = seg_q[t]): a query sees only keys of its own segment, so
+    examples packed in one row never attend to each other."""
+    return k_segments[..., None, :] == q_segments[..., :, None]
+
+
 def causal_mask(n):
     """M[i, j] = (j ≤ i): True on and below the diagonal, shape (n, n)."""
     positions = jnp.arange(n)
@@ -233,14 +239,16 @@ def dropout(x, rate, key):
 # --- loss ---------------------------------------------------------------------------------
 
 
-def cross_entropy(logits, targets, mask=None):
-    """L = −(1/N) Σ_i log softmax(logits_i)[y_i], the mean over the N targets where mask is True."""
+def cross_entropy(logits, targets, mask=None, count=None):
+    """L = −(1/N) Σ_i m_i log softmax(logits_i)[y_i]: the mean over the targets where the mask
+    m is True (all of them without one). N = Σ_i m_i, or `count` when given: the masked targets
+    of a whole batch these logits are a part of, so the losses of its parts add up to its
+    mean (gradient accumulation weighs every target alike, however the mask falls)."""
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    if mask is None:
-        return nll.mean()
-    mask = mask.astype(jnp.float32)
-    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    mask = jnp.ones(nll.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    count = mask.sum() if count is None else count
+    return (nll * mask).sum() / jnp.maximum(count, 1.0)
 
 
 def perplexity(loss):

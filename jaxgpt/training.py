@@ -2,7 +2,10 @@
 
     state = (step, params, opt_state)
     train_step(state, batch, key) -> (state', metrics)    one optimizer update, jitted, donated
-    eval_step(params, inputs, targets, mask) -> (Σ loss, Σ count)
+    eval_step(params, inputs, targets, mask[, positions, segments]) -> (Σ loss, Σ count)
+
+A batch is (inputs, targets) windows of a token stream, or (inputs, targets, mask,
+positions, segments) rows of packed examples (jaxgpt.data.packing).
 
 The loop that drives them (data, logging, evaluation, checkpoints, resume) is jaxgpt.run.
 """
@@ -36,50 +39,60 @@ class TrainState:
         return cls(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
 
 
-def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None):
-    """Mean cross-entropy of the model's next-token predictions."""
+def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *, positions=None, segments=None,
+            count=None):
+    """Cross-entropy of the model's next-token predictions: the mean over the targets where
+    `mask` is True, or their sum over `count` (see ops.cross_entropy)."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
-    logits = model.apply({"params": params}, inputs, deterministic=dropout_key is None, rngs=rngs)
-    return ops.cross_entropy(logits, targets, mask)
+    logits = model.apply({"params": params}, inputs, positions=positions, segments=segments,
+                         deterministic=dropout_key is None, rngs=rngs)
+    return ops.cross_entropy(logits, targets, mask, count)
 
 
 def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
                     grad_accum: int = 1):
-    """train_step(state, (inputs, targets), key) for a batch of k·B rows (k = grad_accum).
+    """train_step(state, batch, key) for a batch of k·B rows (k = grad_accum): batch is
+    (inputs, targets) of a text stream, or (inputs, targets, mask, positions, segments) of
+    packed examples (the loss only on the targets where mask is True; see GPT).
 
     Row i·k + j belongs to micro-batch j, so every micro-batch spreads over the devices the
-    way the whole batch does. The k gradients are summed in a lax.scan (one gradient-sized
-    buffer) and averaged: k micro-batches give the update of one batch of k·B rows."""
+    way the whole batch does. Each micro-batch's loss is its masked targets' losses summed
+    over the count of masked targets in the whole batch, so the k losses and their
+    gradients, summed in a lax.scan (one gradient-sized buffer), are exactly those of one
+    batch of k·B rows, however unevenly the mask falls."""
     model = GPT(model_cfg)
     use_dropout = model_cfg.dropout > 0
     k = grad_accum
 
     def train_step(state: TrainState, batch, key):
-        inputs, targets = (a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1) for a in batch)
+        micro_batches = tuple(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1) for a in batch)
+        count = batch[2].sum(dtype=jnp.float32) if len(batch) > 2 else jnp.float32(batch[1].size)
 
         def micro_step(grad_sum, micro):
-            x, y, i = micro
+            (x, y, *packed), i = micro
+            mask, positions, segments = packed or (None, None, None)
             dropout_key = jax.random.fold_in(key, i) if use_dropout else None
-            loss, grads = jax.value_and_grad(loss_fn, argnums=1)(model, state.params, x, y, None, dropout_key)
+            loss, grads = jax.value_and_grad(loss_fn, argnums=1)(
+                model, state.params, x, y, mask, dropout_key, positions=positions, segments=segments, count=count)
             return jax.tree.map(jnp.add, grad_sum, grads), loss
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grad_sum, losses = jax.lax.scan(micro_step, zeros, (inputs, targets, jnp.arange(k)))
-        grads = jax.tree.map(lambda g: g / k, grad_sum)
+        grads, losses = jax.lax.scan(micro_step, zeros, (micro_batches, jnp.arange(k)))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": losses.sum(), "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
 
 
 def make_eval_step(model_cfg: GPTConfig):
-    """eval_step(params, inputs, targets, mask) -> (Σ of the masked targets' losses, their count)."""
+    """eval_step(params, inputs, targets, mask, positions=None, segments=None) -> (Σ of the
+    masked targets' losses, their count)."""
     model = GPT(model_cfg)
 
-    def eval_step(params, inputs, targets, mask):
-        logits = model.apply({"params": params}, inputs)
+    def eval_step(params, inputs, targets, mask, positions=None, segments=None):
+        logits = model.apply({"params": params}, inputs, positions=positions, segments=segments)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
         mask = mask.astype(jnp.float32)
