@@ -182,10 +182,24 @@ class DataConfig:
     tfds_text_feature: the feature of a TFDS example that holds the text.
     tfds_data_dir: where TFDS datasets are prepared; None = TFDS's default
       (~/tensorflow_datasets, or $TFDS_DATA_DIR).
-    tokenizer: 'char' | 'word' | 'bpe' (train a new one on the train split) or the path of a
-      tokenizer file written by `Tokenizer.save`.
+    format: 'text' (documents become one stream of tokens) | 'records' (each record of the
+      .jsonl/.json/.csv/.tsv files becomes an example: a prompt and a completion, the loss
+      on the completion; jaxgpt.data.records).
+    template: a preset of records' templates: 'prompt_completion', 'alpaca', 'qa' or 'chat'
+      (jaxgpt.data.records.PRESETS); None = prompt_template and completion_template.
+    prompt_template, completion_template: a record's prompt and completion, '{field}'
+      placeholders (nested keys '{a.b}'), '[[…]]' a part left out when its fields are empty.
+    loss_on: 'completion' (the loss on the completion tokens and the <|eos|> after them) |
+      'all' (on every token of an example).
+    truncate: 'completion' (an example longer than block_size + 1 tokens loses its
+      completion's tail, counted; one whose prompt alone fills the block is left out,
+      counted) | 'error' (either stops the run, naming the record).
+    packing: 'pack' (examples share rows, attention kept within each) | 'pad' (one example
+      per row, the rest padding).
+    tokenizer: 'char' | 'word' | 'bpe' | 'wordpiece' | 'unigram' (train a new one on the train
+      split) or the path of a tokenizer file written by `Tokenizer.save`.
     vocab_size: ids of a new tokenizer, special ones included; None = every character or
-      word seen (char, word). BPE needs one.
+      word seen (char, word). bpe, wordpiece and unigram need one.
     val_fraction: in [0, 1): the fraction of documents held out for validation, or of the
       text when the corpus is a single document (its tail).
     max_documents, max_bytes: read at most this many documents / UTF-8 bytes of each source,
@@ -193,6 +207,16 @@ class DataConfig:
     cache_dir: where token files are cached; None = $XDG_CACHE_HOME/jaxgpt/data or
       ~/.cache/jaxgpt/data. Deleting it only costs a rebuild.
     eval_stride: the step between evaluation windows (1..block_size); None = block_size.
+    ocr: 'auto' (images, and PDF pages without a text layer, are read by OCR) | 'always' (every
+      PDF page too) | 'never' (images are binary files, skipped). Needs Tesseract and the ocr
+      extra (jaxgpt.data.ocr); recognised text is cached under cache_dir/ocr.
+    ocr_lang: Tesseract's language(s), e.g. 'eng' or 'eng+deu' (apt-get install tesseract-ocr-deu).
+    ocr_workers: pages recognised at once; None = the CPU cores.
+    ocr_min_confidence: in [0, 100]: files whose mean OCR word confidence is lower are listed in a
+      warning; None = no threshold.
+    ocr_drop_low_confidence: True = those files are left out of the corpus (needs ocr_min_confidence).
+    on_bad_file: 'warn' (a file that cannot be read, e.g. a corrupt image or PDF, is skipped with
+      a warning naming it) | 'error' (it stops the preparation).
     """
 
     source: str = "stdlib"
@@ -200,6 +224,13 @@ class DataConfig:
     text_field: str = "text"
     tfds_text_feature: str = "text"
     tfds_data_dir: str | None = None
+    format: str = "text"
+    template: str | None = None
+    prompt_template: str | None = None
+    completion_template: str | None = None
+    loss_on: str = "completion"
+    truncate: str = "completion"
+    packing: str = "pack"
     tokenizer: str = "char"
     vocab_size: int | None = None
     val_fraction: float = 0.1
@@ -207,6 +238,12 @@ class DataConfig:
     max_bytes: int | None = None
     cache_dir: str | None = None
     eval_stride: int | None = None
+    ocr: str = "auto"
+    ocr_lang: str = "eng"
+    ocr_workers: int | None = None
+    ocr_min_confidence: float | None = None
+    ocr_drop_low_confidence: bool = False
+    on_bad_file: str = "warn"
 
     def __post_init__(self):
         for key in ("source", "text_field", "tfds_text_feature", "tokenizer"):
@@ -223,6 +260,38 @@ class DataConfig:
         if self.tokenizer == "bpe" and self.vocab_size is None:
             raise DataError("data.tokenizer='bpe' needs data.vocab_size (e.g. 4096; at least 259: 256 bytes + 3 "
                             "special tokens)")
+        if self.tokenizer in ("wordpiece", "unigram") and self.vocab_size is None:
+            raise DataError(f"data.tokenizer={self.tokenizer!r} needs data.vocab_size (e.g. 4096; at least 5: 4 "
+                            "special tokens + 1 piece)")
+        self._check_records()
+        self._check_ocr()
+
+    def _check_records(self) -> None:
+        for key, valid in (("format", ("text", "records")), ("loss_on", ("completion", "all")),
+                           ("truncate", ("completion", "error")), ("packing", ("pack", "pad"))):
+            value = getattr(self, key)
+            _check_data(value in valid, key, value, " or ".join(map(repr, valid)))
+        for key in ("template", "prompt_template", "completion_template"):
+            value = getattr(self, key)
+            _check_data(value is None or (isinstance(value, str) and value), key, value, "None or a non-empty string")
+
+    def _check_ocr(self) -> None:
+        _check_data(self.ocr in ("auto", "always", "never"), "ocr", self.ocr, "'auto', 'always' or 'never'")
+        lang = self.ocr_lang
+        _check_data(isinstance(lang, str) and lang and not any(c.isspace() for c in lang), "ocr_lang", lang,
+                    "Tesseract language codes joined by '+', e.g. 'eng' or 'eng+deu'")
+        workers = self.ocr_workers
+        _check_data(workers is None or (is_int(workers) and workers > 0), "ocr_workers", workers,
+                    "None or a positive integer")
+        threshold = self.ocr_min_confidence
+        _check_data(threshold is None or (is_number(threshold) and 0 <= threshold <= 100), "ocr_min_confidence",
+                    threshold, "None or a number in [0, 100]")
+        _check_data(isinstance(self.ocr_drop_low_confidence, bool), "ocr_drop_low_confidence",
+                    self.ocr_drop_low_confidence, "True or False")
+        if self.ocr_drop_low_confidence and threshold is None:
+            raise DataError("data.ocr_drop_low_confidence=True needs data.ocr_min_confidence (e.g. 60): the "
+                            "confidence below which a file is dropped")
+        _check_data(self.on_bad_file in ("warn", "error"), "on_bad_file", self.on_bad_file, "'warn' or 'error'")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DataConfig:

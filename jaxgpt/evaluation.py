@@ -32,24 +32,44 @@ def evaluate_tokens(model_cfg: GPTConfig, params, tokens, bytes_per_token: float
     target more context). `max_batches` keeps only the first ones; `on_batch(done, total)`
     is called after each batch. With `ignore_id`, targets equal to it are left out of the
     loss (the inputs stay as they are) and "val_ignored" says how many were."""
-    if model_cfg not in _EVAL_STEPS:  # one compiled step per model, however often it is evaluated
-        _EVAL_STEPS[model_cfg] = _ignoring_step(model_cfg)
-    eval_step = _EVAL_STEPS[model_cfg]
     T = model_cfg.block_size
-    count_batches = data.num_eval_batches(len(tokens), batch_size=batch_size, block_size=T, stride=stride)
-    if max_batches:
-        count_batches = min(count_batches, max_batches)
-    if batch_sharding is None:
-        batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    count = data.num_eval_batches(len(tokens), batch_size=batch_size, block_size=T, stride=stride)
 
     def make_batch(index: int, rows: slice):
         return data.eval_batch(tokens, index, batch_size=batch_size, block_size=T, stride=stride, rows=rows)
 
+    return _evaluate(model_cfg, params, make_batch, min(count, max_batches or count), batch_size, bytes_per_token,
+                     batch_sharding, on_batch, ignore_id)
+
+
+def evaluate_examples(model_cfg: GPTConfig, params, examples: data.Examples, layout: data.Layout,
+                      bytes_per_token: float, *, batch_size: int, max_batches: int | None = None,
+                      batch_sharding=None, on_batch: Callable[[int, int], None] | None = None,
+                      ignore_id: int | None = None) -> dict:
+    """`evaluate_tokens` for a records split: the loss over the completion targets of its
+    examples (and their <|eos|>), each example in the packed rows of `layout`; bits per byte
+    with the completions' bytes per token."""
+    count = data.num_eval_rows(layout, batch_size)
+
+    def make_batch(index: int, rows: slice):
+        return data.eval_rows(examples, layout, index, batch_size=batch_size, rows=rows)
+
+    return _evaluate(model_cfg, params, make_batch, min(count, max_batches or count), batch_size, bytes_per_token,
+                     batch_sharding, on_batch, ignore_id)
+
+
+def _evaluate(model_cfg, params, make_batch, count_batches, batch_size, bytes_per_token, batch_sharding, on_batch,
+              ignore_id) -> dict:
+    if model_cfg not in _EVAL_STEPS:  # one compiled step per model, however often it is evaluated
+        _EVAL_STEPS[model_cfg] = _ignoring_step(model_cfg)
+    eval_step = _EVAL_STEPS[model_cfg]
+    if batch_sharding is None:
+        batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     loss_sum, count, ignored = 0.0, 0.0, 0
     with data.DeviceBatches(make_batch, start_step=0, end_step=count_batches, batch_size=batch_size,
                             sharding=batch_sharding) as batches:
-        for index, (x, y, m) in batches:
-            s, c, i = eval_step(params, x, y, m, -1 if ignore_id is None else ignore_id)  # ids are ≥ 0
+        for index, (x, y, m, *packed) in batches:
+            s, c, i = eval_step(params, x, y, m, -1 if ignore_id is None else ignore_id, *packed)  # ids are ≥ 0
             loss_sum, count, ignored = loss_sum + float(s), count + float(c), ignored + int(i)
             if on_batch:
                 on_batch(index + 1, count_batches)
@@ -64,9 +84,9 @@ def _ignoring_step(model_cfg: GPTConfig):
     (Σ loss, count, how many were taken out)."""
     eval_step = make_eval_step(model_cfg)
 
-    def step(params, inputs, targets, mask, ignore_id):
+    def step(params, inputs, targets, mask, ignore_id, positions=None, segments=None):
         ignored = mask & (targets == ignore_id)
-        loss_sum, count = eval_step(params, inputs, targets, mask & ~ignored)
+        loss_sum, count = eval_step(params, inputs, targets, mask & ~ignored, positions, segments)
         return loss_sum, count, ignored.sum()
 
     return jax.jit(step)

@@ -32,7 +32,7 @@ from jaxgpt import convert, data, metrics, sharding, tokenizers
 from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
 from jaxgpt.config import RESUME, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
-from jaxgpt.evaluation import evaluate_tokens
+from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.files import write_json
 from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import GPT, flops_per_token, param_count
@@ -61,6 +61,7 @@ class Run:
     resuming: bool
     mesh: Mesh
     lock: RunLock
+    layouts: dict[str, data.Layout] | None = None  # a records corpus's rows of examples, per split
 
     @property
     def lead(self) -> bool:
@@ -154,7 +155,11 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock)
             corpus.tokenizer.save(directory / TOKENIZER_FILE)
     mesh = sharding.make_mesh(config.mesh)
     _check_batch_sizes(train_cfg, mesh)
-    return Run(ConfigDict(resolved), train_cfg, cfg, directory, corpus, checkpoints, resuming, mesh, lock)
+    layouts = None
+    if corpus.records:  # every example must fit (or be cut to) a row before the first step
+        layouts = {split: data.plan(corpus.examples[split], cfg.block_size, config.data.packing, config.data.truncate)
+                   for split in ("train", "val")}
+    return Run(ConfigDict(resolved), train_cfg, cfg, directory, corpus, checkpoints, resuming, mesh, lock, layouts)
 
 
 def _check_memory(cfg: GPTConfig, train_cfg: TrainConfig) -> None:
@@ -267,8 +272,9 @@ def init_or_restore(run: Run, optimizer, key) -> tuple[TrainState, TrainState, i
 
 def compile_train_step(run: Run, optimizer, shardings: TrainState):
     batches = sharding.batch_sharding(run.mesh)
+    fields = 5 if run.corpus.records else 2  # (inputs, targets[, mask, positions, segments])
     step = make_train_step(run.model, optimizer, learning_rate_schedule(run.train), run.train.grad_accum)
-    return jax.jit(step, in_shardings=(shardings, (batches, batches), None), out_shardings=(shardings, None),
+    return jax.jit(step, in_shardings=(shardings, (batches,) * fields, None), out_shardings=(shardings, None),
                    donate_argnums=0)
 
 
@@ -277,6 +283,9 @@ def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
     rows = run.train.grad_accum * run.train.batch_size
 
     def make_batch(step: int, part: slice):
+        if run.corpus.records:
+            return data.packed_batch(run.corpus.examples["train"], run.layouts["train"], seed=run.train.seed,
+                                     step=step, batch_size=rows, rows=part, loss_on=run.config.data.loss_on)
         return data.train_batch(run.corpus.train, seed=run.train.seed, step=step, batch_size=rows,
                                 block_size=run.model.block_size, rows=part)
 
@@ -285,7 +294,13 @@ def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
 
 
 def evaluate(run: Run, params) -> dict:
-    """Validation loss, perplexity and bits per byte (train.eval_max_batches batches at most)."""
+    """Validation loss, perplexity and bits per byte (train.eval_max_batches batches at most);
+    of a records corpus, over the completions."""
+    if run.corpus.records:
+        return evaluate_examples(run.model, params, run.corpus.examples["val"], run.layouts["val"],
+                                 run.corpus.bytes_per_token["val"], batch_size=run.train.eval_batch_size,
+                                 max_batches=run.train.eval_max_batches,
+                                 batch_sharding=sharding.batch_sharding(run.mesh))
     return evaluate_tokens(run.model, params, run.corpus.val, run.corpus.bytes_per_token["val"],
                            batch_size=run.train.eval_batch_size, stride=run.config.data.eval_stride,
                            max_batches=run.train.eval_max_batches, batch_sharding=sharding.batch_sharding(run.mesh))
@@ -347,6 +362,8 @@ def _train(run: Run, stop: StopRequested) -> dict:
         tc.peak_flops))
     log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
     log.message(_announcement(run, start_step, tokens_per_step, meter.peak))
+    for split, layout in (run.layouts or {}).items():
+        log.message(f"jaxgpt: records, {layout.summary(split)}")
     step, last_val, interrupted = start_step, None, stop.signal_name  # a signal while starting: no step
     with train_batches(run, start_step if not interrupted else tc.steps) as batches:
         try:

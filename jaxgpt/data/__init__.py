@@ -13,8 +13,11 @@ One module per stage, each importing only those before it:
     sources.py     files, directories, globs, JSONL, PDF and the standard library as documents
     tfds_local.py  a TFDS builder that turns your own files into a dataset
     tfds.py        tfds:NAME[:SPLIT] as a source (ArrayRecord, no TensorFlow needed)
+    records.py     .jsonl/.json/.csv/.tsv records → prompt/completion turns by templates
     cache.py       prepare(): documents → tokenizer → token files, fingerprinted and reused
+    examples.py    a records corpus's examples in the cache: tokens, loss mask, origins
     batches.py     training windows as a pure function of (seed, step); evaluation windows
+    packing.py     examples packed into rows; their batches as a pure function of (seed, step)
     prefetch.py    DeviceBatches: batches made ahead and laid out on the devices
 
 The settings are config.data (jaxgpt.config.DataConfig). Bad input raises
@@ -24,11 +27,14 @@ that says what is wrong and what to do.
 
 from jaxgpt.data.batches import bits_per_byte, eval_batch, eval_batches, num_eval_batches, train_batch
 from jaxgpt.data.cache import Corpus, open_corpus, prepare, tokenizer_hash
+from jaxgpt.data.examples import Examples, encode_turns
+from jaxgpt.data.packing import Layout, eval_rows, num_eval_rows, packed_batch, plan
 from jaxgpt.data.prefetch import DeviceBatches, process_rows
 from jaxgpt.data.sources import DocumentReader, list_files, split_documents
 from jaxgpt.errors import DataError
 
 __all__ = [
+    "Examples", "Layout", "encode_turns", "eval_rows", "num_eval_rows", "packed_batch", "plan",
     "Corpus", "DataError", "DeviceBatches", "DocumentReader", "bits_per_byte", "eval_batch", "eval_batches",
     "list_files", "num_eval_batches", "open_corpus", "prepare", "process_rows", "split_documents",
     "tokenizer_hash", "train_batch",

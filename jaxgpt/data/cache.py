@@ -39,6 +39,9 @@ import numpy as np
 
 from jaxgpt import tokenizers
 from jaxgpt.config import DataConfig
+from jaxgpt.data import records
+from jaxgpt.data.examples import Examples, open_examples, write_examples
+from jaxgpt.data.generated import generated_file, is_generated
 from jaxgpt.data.sources import DocumentReader, Source, capped, files_source, list_files, split_documents, stdlib_files
 from jaxgpt.data.tfds import tfds_source
 from jaxgpt.errors import DataError
@@ -73,6 +76,8 @@ class Corpus:
     meta: the contents of meta.json (fingerprint; per split the token, byte and document
       counts and the checksum; …).
     directory: the cache directory the arrays map.
+    examples: of a records corpus (data.format='records'), each split's Examples (the tokens
+      of each example and the loss mask); None for a text corpus.
     """
 
     tokenizer: Tokenizer
@@ -80,11 +85,19 @@ class Corpus:
     val: np.ndarray
     meta: dict[str, Any]
     directory: Path
+    examples: dict[str, Examples] | None = None
+
+    @property
+    def records(self) -> bool:
+        return self.examples is not None
 
     @property
     def bytes_per_token(self) -> dict[str, float]:
         """UTF-8 bytes of each split's text / its token count (NaN for an empty split):
         the factor that turns a loss per token into one per byte (`bits_per_byte`)."""
+        if self.records:  # the loss counts completions only: their bytes per token
+            return {split: counts["completion_bytes"] / counts["completion_tokens"] if counts["completion_tokens"]
+                    else math.nan for split, counts in self.meta["splits"].items()}
         return {split: counts["bytes"] / counts["tokens"] if counts["tokens"] else math.nan
                 for split, counts in self.meta["splits"].items()}
 
@@ -108,7 +121,11 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> 
         tokenizer_name = f"{tokenizer.kind}{tokenizer.vocab_size}"
     source = resolve_source(settings.source, settings)
     val_source = resolve_source(settings.val_source, settings) if settings.val_source else None
+    identity = {}
+    if settings.format == "records":  # a text corpus's fingerprint stays as it was
+        identity["records"] = records.templates(settings).identity()
     fingerprint = _sha256(json.dumps({
+        **identity,
         "format": [CACHE_FORMAT, CACHE_VERSION],
         "source": source.identity,
         "val_source": val_source.identity if val_source else None,
@@ -136,8 +153,8 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> 
 def _load_tokenizer_file(spec: str) -> Tokenizer:
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file {spec!r} does not exist; set data.tokenizer to char, word, bpe "
-                                "or a saved tokenizer's path")
+        raise FileNotFoundError(f"tokenizer file {spec!r} does not exist; set data.tokenizer to "
+                                f"{', '.join(tokenizers.KINDS)} or a saved tokenizer's path")
     return tokenizers.load(path)
 
 
@@ -153,6 +170,8 @@ def resolve_source(spec: str, settings: DataConfig) -> Source:
         return files_source("stdlib", stdlib_files(), settings)
     if spec.startswith("tfds:"):
         return tfds_source(spec, settings)
+    if is_generated(spec):
+        return files_source(spec.replace(":", "-"), [generated_file(spec, settings.cache_path)], settings)
     return files_source(Path(spec).name or spec, list_files(spec), settings)
 
 
@@ -197,7 +216,13 @@ def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None
         problem = _check_tokens(arrays[split], meta["splits"][split].get("blake2b"), cached.vocab_size)
         if problem:
             raise DamagedCacheError(directory, f"is damaged ({path.name} {problem})")
-    return Corpus(cached, arrays["train"], arrays["val"], meta, directory)
+    examples = None
+    if "records" in meta:
+        examples = {split: open_examples(directory, split, arrays[split], meta) for split in SPLITS}
+        for problem in examples.values():
+            if isinstance(problem, str):
+                raise DamagedCacheError(directory, f"is damaged ({problem})")
+    return Corpus(cached, arrays["train"], arrays["val"], meta, directory, examples)
 
 
 def _check_tokens(tokens: np.ndarray, checksum: str | None, vocab_size: int) -> str | None:
@@ -229,26 +254,8 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        reader = DocumentReader(settings.text_field)
-        documents = capped(source.documents(reader), settings.max_documents, settings.max_bytes)
-        if not documents:
-            raise DataError(f"the corpus {settings.source!r} is empty: it holds no text")
-        if val_source is None:
-            train_docs, val_docs = split_documents(documents, settings.val_fraction)
-        else:
-            train_docs = documents
-            val_docs = capped(val_source.documents(reader), settings.max_documents,
-                               settings.max_bytes)
-        reader.warn()
-        log.info("tokenizing %s: %d training and %d validation documents", source.name,
-                 len(train_docs), len(val_docs))
-        if tokenizer is None:
-            tokenizer = tokenizers.train_tokenizer(settings.tokenizer, train_docs,
-                                                   settings.vocab_size)
-        tokenizer.save(partial / "tokenizer.json")
-        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-        splits = {split: _write_tokens(partial / f"{split}.bin", docs, tokenizer, dtype)
-                  for split, docs in zip(SPLITS, (train_docs, val_docs), strict=True)}
+        write = _write_records if settings.format == "records" else _write_documents
+        tokenizer, dtype, splits, extra = write(partial, source, val_source, settings, tokenizer)
         meta = {
             "format": CACHE_FORMAT,
             "version": CACHE_VERSION,
@@ -263,6 +270,7 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
                           "eos_id": tokenizer.eos_id,
                           "sha256": _sha256((partial / "tokenizer.json").read_bytes())},
             "splits": splits,
+            **extra,
         }
         (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         if directory.exists() and not (directory / "meta.json").exists():
@@ -275,6 +283,79 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
             # Another process published the same fingerprint first; its cache is equal.
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _write_documents(partial: Path, source: Source, val_source: Source | None, settings: DataConfig,
+                     tokenizer: Tokenizer | None):
+    """A text corpus: documents → (tokenizer, dtype, per-split counts, more meta)."""
+    reader = DocumentReader(settings.text_field, settings)
+    documents = capped(source.documents(reader), settings.max_documents, settings.max_bytes)
+    if not documents:
+        raise DataError(f"the corpus {settings.source!r} is empty: it holds no text")
+    if val_source is None:
+        train_docs, val_docs = split_documents(documents, settings.val_fraction)
+    else:
+        train_docs = documents
+        val_docs = capped(val_source.documents(reader), settings.max_documents, settings.max_bytes)
+    reader.warn()
+    log.info("tokenizing %s: %d training and %d validation documents", source.name, len(train_docs), len(val_docs))
+    tokenizer, dtype = _tokenizer_for(partial, train_docs, settings, tokenizer)
+    splits = {split: _write_tokens(partial / f"{split}.bin", docs, tokenizer, dtype)
+              for split, docs in zip(SPLITS, (train_docs, val_docs), strict=True)}
+    return tokenizer, dtype, splits, {}
+
+
+def _write_records(partial: Path, source: Source, val_source: Source | None, settings: DataConfig,
+                   tokenizer: Tokenizer | None):
+    """A records corpus: records → examples (jaxgpt.data.records) → tokens, masks and origins."""
+    forms = records.templates(settings)
+    train_files = _records_files(settings.source, settings)
+    val_files = _records_files(settings.val_source, settings) if settings.val_source else []
+    train = _read_examples(train_files, forms, settings.max_documents)
+    if val_source is None:
+        if len(train) < 2:
+            raise DataError(f"{settings.source!r} holds {len(train)} record(s): at least 2 are needed, one to hold "
+                            "out for validation (or give data.val_source)")
+        train, val = split_documents(train, settings.val_fraction)
+    else:
+        val = _read_examples(val_files, forms, settings.max_documents, first_file=len(train_files))
+    files = train_files + val_files
+    texts = [prompt + completion for _, turns in train for prompt, completion in turns]
+    tokenizer, dtype = _tokenizer_for(partial, texts, settings, tokenizer)
+    if tokenizer.eos_id is None:
+        raise DataError(f"the {tokenizer.kind} tokenizer has no <|eos|>, which ends every completion: use another")
+    splits = {split: write_examples(partial, split, part, tokenizer, dtype)
+              for split, part in zip(SPLITS, (train, val), strict=True)}
+    log.info("records of %s: %d training and %d validation examples", source.name, len(train), len(val))
+    return tokenizer, dtype, splits, {"records": {"files": [str(f) for f in files], "templates": forms.identity()}}
+
+
+def _records_files(spec: str, settings: DataConfig) -> list[Path]:
+    if is_generated(spec):
+        return [generated_file(spec, settings.cache_path)]
+    if spec == "stdlib" or spec.startswith("tfds:"):
+        raise DataError(f"data.format='records' reads .jsonl, .json, .csv or .tsv files, not {spec!r}: set "
+                        "data.source to them")
+    return list_files(spec)
+
+
+def _read_examples(files: list[Path], forms: records.Templates, limit: int | None, first_file: int = 0):
+    """[(record, its turns)] of the files' records, at most `limit` of them."""
+    examples, first = [], None
+    for record in records.read_records(files, first_file):
+        if limit is not None and len(examples) == limit:
+            break
+        first = record.fields if first is None else first
+        examples.append((record, records.example_turns(record, forms, first)))
+    return examples
+
+
+def _tokenizer_for(partial: Path, texts: Sequence[str], settings: DataConfig, tokenizer: Tokenizer | None):
+    """The tokenizer (given, or trained on `texts`), saved in the partial cache, and the dtype of its ids."""
+    if tokenizer is None:
+        tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size)
+    tokenizer.save(partial / "tokenizer.json")
+    return tokenizer, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
 
 
 def _partial_path(directory: Path) -> Path:

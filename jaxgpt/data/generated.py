@@ -1,0 +1,70 @@
+"""Records the project makes itself: tasks with a checkable answer, for fine-tuning demos and
+tests on any machine, with nothing to download.
+
+`data.source = 'generated:NAME[:COUNT]'` names one; it is written once, as JSONL, under the
+data cache (the same records on every machine: a fixed seed) and read like any records file,
+with data.template = 'qa' (fields question, answer):
+
+    addition   {"question": "482+37", "answer": "519"}: two numbers in 0…999, every
+               pair at most once (default 20000 records)
+    reverse    {"question": "Reverse: kdqab", "answer": "baqdk"}: 3 to 8 letters of a–k
+               (default 20000 records)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxgpt.errors import DataError
+from jaxgpt.files import write_atomically
+
+PREFIX = "generated:"
+DEFAULT_COUNT = 20000
+SEED = 1234
+
+
+def _addition(rng: random.Random, count: int) -> list[dict[str, str]]:
+    if count > 10**6:
+        raise DataError(f"generated:addition has 10^6 distinct problems, fewer than {count}")
+    seen: set[tuple[int, int]] = set()
+    records = []
+    while len(records) < count:
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        if (a, b) not in seen:
+            seen.add((a, b))
+            records.append({"question": f"{a}+{b}", "answer": str(a + b)})
+    return records
+
+
+def _reverse(rng: random.Random, count: int) -> list[dict[str, str]]:
+    letters = "abcdefghijk"
+    records = []
+    for _ in range(count):
+        word = "".join(rng.choices(letters, k=rng.randint(3, 8)))
+        records.append({"question": f"Reverse: {word}", "answer": word[::-1]})
+    return records
+
+
+TASKS: dict[str, Callable[[random.Random, int], list[dict[str, str]]]] = {"addition": _addition, "reverse": _reverse}
+
+
+def is_generated(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(PREFIX)
+
+
+def generated_file(spec: str, cache_dir: Path) -> Path:
+    """The JSONL file of `spec` ('generated:NAME[:COUNT]'), written on first use."""
+    name, _, count_text = spec[len(PREFIX):].partition(":")
+    if name not in TASKS or (count_text and not (count_text.isdigit() and int(count_text) > 1)):
+        raise DataError(f"data.source={spec!r}: choose 'generated:NAME' or 'generated:NAME:COUNT' (COUNT > 1) with "
+                        f"NAME one of {', '.join(TASKS)}")
+    count = int(count_text) if count_text else DEFAULT_COUNT
+    path = cache_dir / "generated" / f"{name}-{count}-seed{SEED}.jsonl"
+    if not path.is_file():
+        records = TASKS[name](random.Random(SEED), count)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, "".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
+    return path
