@@ -414,7 +414,8 @@ def default_config() -> ConfigDict:
             "auto": False,  # let jax.distributed detect a cluster (SLURM, TPU pods)
             "cpu_collectives": "gloo",  # collectives between CPU processes
         },
-        "init_from": config_dict.placeholder(str),  # 'hf:PATH': start from a GPT-2 checkpoint (jaxgpt.convert)
+        # start from another model: 'hf:PATH' (a GPT-2 checkpoint, jaxgpt.convert) or a jaxgpt run directory
+        "init_from": config_dict.placeholder(str),
         "run_dir": config_dict.placeholder(str),  # None: runs/<config file name>
         "resume": "auto",  # auto | never | must
     })

@@ -24,25 +24,22 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
-from jaxgpt import convert, data, metrics, sharding, tokenizers
+from jaxgpt import data, metrics, rundir, sharding, tokenizers
 from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
 from jaxgpt.config import RESUME, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.files import write_json
 from jaxgpt.lock import LockHeld, RunLock
-from jaxgpt.model import GPT, flops_per_token, param_count
+from jaxgpt.model import flops_per_token, param_count
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
+from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
 from jaxgpt.training import TrainState, make_train_step, sharded_init
 
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
-
-__all__ = ["TrainingError", "load_run", "model_config", "open_run", "train"]
+__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train"]
 
 
 # --- the run directory ----------------------------------------------------------------------
@@ -139,7 +136,7 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock)
     resuming = resume_policy(config.resume, checkpoints)
     tokenizer = None
     if config.init_from:  # the checkpoint fixes the architecture and the tokenizer
-        config, tokenizer = convert.resolve_init_from(config)
+        config, tokenizer = rundir.resolve_init_from(config)
     corpus = data.prepare(config.data, tokenizer=tokenizer)
     if len(corpus.val) < 2:
         raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
@@ -219,40 +216,6 @@ def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
                              f"size {divisor}" + (on_cpu if jax.default_backend() == "cpu" else ""))
 
 
-def load_run(run_dir, step: int | None = None):
-    """(params, config, tokenizer) of a training run: config.json, tokenizer.json and the
-    params of the best checkpoint by validation loss (the latest if none was evaluated), or
-    of `step`. Raises ValueError for a missing or malformed run directory and
-    jaxgpt.checkpoint.CheckpointError when it holds no usable checkpoint."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist: pass the directory a training run wrote")
-    config_path, tokenizer_path = run_dir / CONFIG_FILE, run_dir / TOKENIZER_FILE
-    for path in (config_path, tokenizer_path):
-        if not path.is_file():
-            raise ValueError(f"{run_dir} has no {path.name}, so it is not a complete run directory")
-    try:
-        saved = json.loads(config_path.read_text(encoding="utf-8"))
-        config = GPTConfig.from_dict(saved["model"])
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{config_path} does not hold a model config ({type(err).__name__}: {err})") from None
-    tokenizer = tokenizers.load(tokenizer_path)
-    pinned = saved.get("tokenizer_sha256")
-    if pinned and data.tokenizer_hash(tokenizer) != pinned:
-        raise ValueError(f"{tokenizer_path} is not the tokenizer this run was trained with (its hash differs from the "
-                         f"one in {config_path}): restore the run's own tokenizer.json")
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the model only "
-                         f"{config.vocab_size}: the tokenizer is not the one the run was trained with")
-    abstract = jax.eval_shape(lambda: GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
-    checkpoints = Checkpoints(run_dir, read_only=True)
-    try:
-        params, _ = checkpoints.restore_params(abstract, step=step)
-    finally:
-        checkpoints.close()
-    return params, config, tokenizer
-
-
 # --- the state ------------------------------------------------------------------------------
 
 
@@ -266,7 +229,7 @@ def init_or_restore(run: Run, optimizer, key) -> tuple[TrainState, TrainState, i
         restored, step = run.checkpoints.restore(abstract)
         return TrainState.from_dict(restored), shardings, step
     if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
-        state = state.replace(params=convert.init_params_from(run.config.init_from, run.model, shardings.params))
+        state = state.replace(params=rundir.init_params_from(run.config.init_from, run.model, shardings.params))
     return state, shardings, 0
 
 

@@ -121,7 +121,7 @@ def test_undecodable_bytes_are_replaced_and_counted_in_one_warning(tmp_path):
         "1.txt": b"caf\xe9 au lait \xff\xfe",  # three invalid bytes, each its own sequence
         "2.txt": b"ok \x80 then",
         "3.txt": "a real U+FFFD \ufffd is text, not a repair",
-        "4.png": b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR",
+        "4.bin": b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR",
     })
     with pytest.warns(UserWarning) as caught:
         corpus = data.prepare(config(tmp_path, source=str(root)))

@@ -24,9 +24,9 @@ LAYERS = (
     ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("optim", "data", "model", "cli"),
     ("training", "decoding", "convert"),
-    ("evaluation", "sampling", "beam"),
+    ("evaluation", "sampling", "beam", "rundir"),
     ("text",),
-    ("run",),
+    ("run", "completions"),
     ("viz",),
     ("analysis", "export", "sweep"),
     ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 import reference
+
 from jaxgpt import ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, init_cache

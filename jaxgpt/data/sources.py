@@ -5,7 +5,12 @@
   become U+FFFD, counted in one warning; files with a NUL byte in their first 8 KiB are
   binary and skipped), one document per file; `.jsonl` holds one document per line, in the
   field `data.text_field`; `.pdf` is one document, its text layer (needs the pdf extra:
-  `pip install 'jaxgpt[pdf]'`). Empty documents are dropped.
+  `pip install 'jaxgpt[pdf]'`), page by page. Under `data.ocr` 'auto' (the default) an image
+  (`.png .jpg .jpeg .tif .tiff .bmp .webp`) gives one document per page of the text OCR reads
+  in it, and a PDF page without a text layer is read by OCR (under 'always' every PDF page is;
+  under 'never' images are binary files); see jaxgpt.data.ocr. A file that cannot be read (a
+  corrupt image or PDF) is skipped with a warning, or with `data.on_bad_file='error'` stops
+  the preparation. Empty documents are dropped.
 - `stdlib`: the `.py` files of the running Python's standard library (no tests, no idlelib,
   no site-packages), sorted by path, one document each: ~11 MB of real code on every machine
   that has Python.
@@ -19,51 +24,64 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import os
 import re
 import sysconfig
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from jaxgpt.config import DataConfig
-from jaxgpt.errors import DataError
+from jaxgpt.data import ocr
+from jaxgpt.errors import DataError, one_line
+
+log = logging.getLogger(__name__)
 
 STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
 BINARY_PROBE_BYTES = 8192  # a NUL byte in this prefix marks a binary file, as git judges
+FILES_AHEAD_PER_WORKER = 2  # files read ahead of the one being returned, so the OCR workers stay busy
+NAMED_AT_MOST = 20  # files a warning names; the rest are counted
 
 
 class DocumentReader:
     """Reads files as documents and counts what it had to repair, for one warning at the end.
 
-    `read(path)` gives a file's documents (see the module docstring); `warn()` then
-    reports, once for everything read, the undecodable byte sequences replaced by U+FFFD,
-    the binary files skipped and the PDFs without a text layer.
+    `read_files(files)` gives the documents of the files in order (see the module docstring),
+    the pages that need OCR recognised in parallel a few files ahead; `read(path)` those of
+    one file. `warn()` then reports, once for everything read, the undecodable byte sequences
+    replaced by U+FFFD, the binary files skipped, the PDFs without a text layer (under
+    ocr='never'), the files that could not be read (data.on_bad_file='warn') and those whose
+    OCR confidence is below data.ocr_min_confidence. `settings` None: DataConfig's defaults.
     """
 
-    def __init__(self, text_field: str = "text"):
+    def __init__(self, text_field: str = "text", settings: DataConfig | None = None):
         self.text_field = text_field
+        self.settings = settings or DataConfig(text_field=text_field)
         self.replaced = 0
         self.files_with_replacements: list[Path | str] = []
         self.binary_files: list[Path] = []
         self.pdfs_without_text: list[Path] = []
+        self.unreadable: list[tuple[Path, str]] = []
+        self.low_confidence: list[tuple[Path, float]] = []
 
     def read(self, path: Path) -> list[str]:
-        if path.suffix.lower() == ".pdf":
-            text = _pdf_text(path)
-            if not text.strip():
-                self.pdfs_without_text.append(path)
-                return []
-            return [text]
-        raw = path.read_bytes()
-        if b"\0" in raw[:BINARY_PROBE_BYTES]:
-            self.binary_files.append(path)
-            return []
-        text = self.decode(raw, path)
-        if path.suffix.lower() == ".jsonl":
-            return self._jsonl_documents(text, path)
-        return [text] if text else []
+        return list(self.read_files([path]))
+
+    def read_files(self, files: Iterable[Path]) -> Iterator[str]:
+        recognizer = ocr.Recognizer(self.settings)
+        ahead: deque[Callable[[], list[str]]] = deque()
+        try:
+            for file in files:
+                ahead.append(self._begin(file, recognizer))
+                while len(ahead) > FILES_AHEAD_PER_WORKER * recognizer.workers:
+                    yield from ahead.popleft()()
+            while ahead:
+                yield from ahead.popleft()()
+        finally:
+            recognizer.close()
 
     def warn(self) -> None:
         notes = []
@@ -76,9 +94,103 @@ class DocumentReader:
                          f"{self.binary_files[0]}")
         if self.pdfs_without_text:
             notes.append(f"found no text layer in {len(self.pdfs_without_text)} PDF(s), e.g. "
-                         f"{self.pdfs_without_text[0]} (scanned pages need OCR first)")
+                         f"{self.pdfs_without_text[0]} (scanned pages need OCR: set data.ocr='auto')")
+        if self.unreadable:
+            notes.append(f"skipped {len(self.unreadable)} unreadable file(s): "
+                         + _listed(f"{path} ({problem})" for path, problem in self.unreadable))
+        if self.low_confidence:
+            kept = ("dropped them" if self.settings.ocr_drop_low_confidence
+                    else "kept them (data.ocr_drop_low_confidence=True drops them)")
+            notes.append(f"{len(self.low_confidence)} file(s) have a mean OCR confidence below "
+                         f"data.ocr_min_confidence={self.settings.ocr_min_confidence}: "
+                         + _listed(f"{path} ({confidence:.1f})" for path, confidence in self.low_confidence)
+                         + f"; {kept}")
         if notes:
             warnings.warn("reading the corpus: " + "; ".join(notes), stacklevel=3)
+
+    def _begin(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], list[str]]:
+        """Start reading `path`; the function returned finishes it and gives its documents."""
+        try:
+            finish = self._start(path, recognizer)
+        except ocr.BadFile as bad:
+            skipped = self._bad_file(path, bad)
+            return lambda: skipped
+
+        def documents() -> list[str]:
+            try:
+                return finish()
+            except ocr.BadFile as bad:
+                return self._bad_file(path, bad)
+
+        return documents
+
+    def _start(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], list[str]]:
+        suffix = path.suffix.lower()
+        if suffix == ".pdf":
+            return self._start_pdf(path, recognizer)
+        if suffix in ocr.IMAGE_SUFFIXES and self.settings.ocr != "never":
+            recognised = recognizer.image(path)
+
+            def image_documents() -> list[str]:
+                pages = recognised()
+                return [page.text for page in pages if page.text] if self._confident(path, pages) else []
+
+            return image_documents
+        documents = self._text_documents(path)
+        return lambda: documents
+
+    def _start_pdf(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], list[str]]:
+        """A PDF as one document, page by page: its text layer, or under ocr='auto' for a page
+        without one (or under 'always' for every page), the text recognised in its picture."""
+        layers = _pdf_page_texts(path)
+        mode = self.settings.ocr
+        scanned = [i for i, layer in enumerate(layers)
+                   if mode == "always" or (mode == "auto" and ocr.is_scanned(layer))]
+        if not scanned:
+            text = "\n".join(layers)
+            if not text.strip():
+                self.pdfs_without_text.append(path)
+            return lambda: [text] if text.strip() else []
+        recognised_pages = recognizer.pdf_pages(path, scanned)
+
+        def documents() -> list[str]:
+            recognised = dict(zip(scanned, recognised_pages(), strict=True))
+            if not self._confident(path, list(recognised.values())):
+                return []
+            text = "\n".join(recognised[i].text if i in recognised else layer for i, layer in enumerate(layers))
+            return [text] if text.strip() else []
+
+        return documents
+
+    def _confident(self, path: Path, pages: list[ocr.PageText]) -> bool:
+        """Log a file's OCR confidence; False when it is below data.ocr_min_confidence and such
+        files are dropped."""
+        confidence = ocr.file_confidence(pages)
+        if confidence is None:
+            return True
+        log.info("OCR %s: %d page(s), mean confidence %.1f", path, len(pages), confidence)
+        threshold = self.settings.ocr_min_confidence
+        if threshold is None or confidence >= threshold:
+            return True
+        self.low_confidence.append((path, confidence))
+        return not self.settings.ocr_drop_low_confidence
+
+    def _bad_file(self, path: Path, problem: ocr.BadFile) -> list[str]:
+        if self.settings.on_bad_file == "error":
+            raise DataError(f"cannot read {path}: {problem}; remove it from the corpus, or set "
+                            "data.on_bad_file='warn' to skip it with a warning")
+        self.unreadable.append((path, str(problem)))
+        return []
+
+    def _text_documents(self, path: Path) -> list[str]:
+        raw = path.read_bytes()
+        if b"\0" in raw[:BINARY_PROBE_BYTES]:
+            self.binary_files.append(path)
+            return []
+        text = self.decode(raw, path)
+        if path.suffix.lower() == ".jsonl":
+            return self._jsonl_documents(text, path)
+        return [text] if text else []
 
     def decode(self, raw: bytes, origin: Path | str) -> str:
         """`raw` as UTF-8 text (a leading byte-order mark dropped), repairs counted."""
@@ -131,13 +243,19 @@ def _pdf_library():
     return pypdf
 
 
-def _pdf_text(path: Path) -> str:
+def _pdf_page_texts(path: Path) -> list[str]:
+    """The text layer of each page of a PDF (pages without one give '')."""
     pypdf = _pdf_library()
     try:
-        return "\n".join(page.extract_text() for page in pypdf.PdfReader(path).pages)
+        return [page.extract_text() for page in pypdf.PdfReader(path).pages]
     except pypdf.errors.PyPdfError as err:
-        raise DataError(f"{path} is not a readable PDF ({err}); remove it from the corpus") \
-            from None
+        raise ocr.BadFile(f"not a readable PDF ({one_line(err)})") from None
+
+
+def _listed(items: Iterable[str]) -> str:
+    items = list(items)
+    more = f" and {len(items) - NAMED_AT_MOST} more" if len(items) > NAMED_AT_MOST else ""
+    return ", ".join(items[:NAMED_AT_MOST]) + more
 
 
 _GLOB_MAGIC = re.compile(r"[*?[]")
@@ -202,10 +320,12 @@ def files_source(name: str, files: list[Path], settings: DataConfig) -> Source:
         identity["text_field"] = settings.text_field
     if ".pdf" in suffixes:
         identity["pypdf"] = _pdf_library().__version__  # text extraction differs by version
+    if suffixes & (ocr.IMAGE_SUFFIXES | {".pdf"}):
+        identity["on_bad_file"] = settings.on_bad_file  # 'warn' may have skipped a file that 'error' refuses
+    identity.update(ocr.identity(settings, suffixes))  # images and scanned pages: the engine, language, …
 
     def documents(reader: DocumentReader) -> Iterator[str]:
-        for file in files:
-            yield from reader.read(file)
+        yield from reader.read_files(files)
 
     return Source(name, identity, documents)
 

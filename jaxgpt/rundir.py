@@ -1,0 +1,117 @@
+"""A run directory on disk, read: its config.json, tokenizer.json and checkpoints; and the
+runs a new run may start from (`init_from`).
+
+    params, config, tokenizer = load_run("runs/default")      # for sampling and evaluation
+    config, tokenizer = resolve_init_from(config)             # before a run starts from another
+    params = init_params_from(config.init_from, model_cfg)
+
+init_from is 'hf:PATH' (a Hugging Face GPT-2 checkpoint, jaxgpt.convert) or the directory
+of a jaxgpt run: the new run takes its architecture (all of config.model but
+convert.RUN_FIELDS: block_size, at most the source's; dropout; dtypes; attention), its
+tokenizer and the params of its best checkpoint (by validation loss; else the latest), with
+a fresh optimizer state from step 0: fine-tuning.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt import convert, data, tokenizers
+from jaxgpt.checkpoint import Checkpoints
+from jaxgpt.config import GPTConfig
+from jaxgpt.model import GPT
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_run(run_dir, step: int | None = None):
+    """(params, config, tokenizer) of a training run: config.json, tokenizer.json and the
+    params of the best checkpoint by validation loss (the latest if none was evaluated), or
+    of `step`. Raises ValueError for a missing or malformed run directory and
+    jaxgpt.checkpoint.CheckpointError when it holds no usable checkpoint."""
+    run_dir = Path(run_dir)
+    _, config, tokenizer = read_run(run_dir)
+    abstract = jax.eval_shape(lambda: GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    checkpoints = Checkpoints(run_dir, read_only=True)
+    try:
+        params, _ = checkpoints.restore_params(abstract, step=step)
+    finally:
+        checkpoints.close()
+    return params, config, tokenizer
+
+
+
+def read_run(run_dir: Path) -> tuple[dict[str, Any], GPTConfig, tokenizers.Tokenizer]:
+    """(the saved config.json, the model's config, the tokenizer) of a run directory, checked:
+    the tokenizer is the one the run pinned and fits the model."""
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist: pass the directory a training run wrote")
+    config_path, tokenizer_path = run_dir / CONFIG_FILE, run_dir / TOKENIZER_FILE
+    for path in (config_path, tokenizer_path):
+        if not path.is_file():
+            raise ValueError(f"{run_dir} has no {path.name}, so it is not a complete run directory")
+    try:
+        saved = json.loads(config_path.read_text(encoding="utf-8"))
+        config = GPTConfig.from_dict(saved["model"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{config_path} does not hold a model config ({type(err).__name__}: {err})") from None
+    tokenizer = tokenizers.load(tokenizer_path)
+    pinned = saved.get("tokenizer_sha256")
+    if pinned and data.tokenizer_hash(tokenizer) != pinned:
+        raise ValueError(f"{tokenizer_path} is not the tokenizer this run was trained with (its hash differs from the "
+                         f"one in {config_path}): restore the run's own tokenizer.json")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the model only "
+                         f"{config.vocab_size}: the tokenizer is not the one the run was trained with")
+    return saved, config, tokenizer
+
+
+# --- starting from another run ----------------------------------------------------------------
+
+
+def resolve_init_from(config) -> tuple[Any, tokenizers.Tokenizer | None]:
+    """A training config made to start from its init_from ('hf:PATH' or a run directory), and
+    the tokenizer to make its tokens with (None: the one data.tokenizer names). The caller's
+    config is left as it was."""
+    if str(config.init_from).startswith(convert.INIT_FROM_SCHEME):
+        return convert.resolve_init_from(config)
+    source = Path(config.init_from).expanduser()
+    if not (source / CONFIG_FILE).is_file():
+        raise ValueError(f"init_from={config.init_from!r} is neither hf:PATH nor a jaxgpt run directory (no "
+                         f"{CONFIG_FILE}): give the run_dir of a finished run")
+    _, source_cfg, tokenizer = read_run(source)
+    if config.model.block_size > source_cfg.block_size:
+        raise ValueError(f"model.block_size={config.model.block_size} is longer than the context of {source} "
+                         f"({source_cfg.block_size}): choose at most {source_cfg.block_size}")
+    config = copy.deepcopy(config)
+    for name, value in source_cfg.to_dict().items():
+        if name not in convert.RUN_FIELDS:
+            config.model[name] = value
+    return config, tokenizer
+
+
+def init_params_from(spec: str, cfg: GPTConfig, shardings=None) -> dict:
+    """The params a run of `cfg` starts from: those of `spec` ('hf:PATH', or a run
+    directory's best checkpoint), the position table cropped to cfg.block_size, in cfg's
+    param_dtype, placed with `shardings` (a params-shaped tree of shardings) when given."""
+    if str(spec).startswith(convert.INIT_FROM_SCHEME):
+        return convert.init_params_from(spec, cfg, shardings)
+    params, source_cfg, _ = load_run(Path(spec).expanduser())
+    different = [f"{name}={getattr(cfg, name)!r} (source: {getattr(source_cfg, name)!r})"
+                 for name in source_cfg.to_dict() if name not in convert.RUN_FIELDS
+                 and getattr(cfg, name) != getattr(source_cfg, name)]
+    if different:
+        raise ValueError(f"the model config does not match the run {spec}: {', '.join(different)}; leave the "
+                         "architecture to init_from")
+    _, params = convert.crop_block_size(source_cfg, params, cfg.block_size)
+    params = jax.tree.map(lambda x: jnp.asarray(x, cfg.params_dtype), params)
+    if shardings is None:
+        return params
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), params, shardings)
