@@ -23,6 +23,15 @@ still serve as inputs): the loss and perplexity are then over the known targets,
 per byte divide by the bytes of the text those targets stand for (each token's own UTF-8
 bytes; a word tokenizer's spaces between words are not counted, which errs towards more
 bits per byte), not by the split's average, which the unknown text would inflate.
+
+Records (--records, a run trained on data.format='records'): the loss is over the completions,
+as training's evaluation counts it, and each example of the split is answered: the prompt is
+every token before its last completion, the model's greedy completion (up to <|eos|>, at most
+--max_new_tokens, default the longest reference + 8) is compared with the reference: exact
+match after stripping surrounding whitespace, and a SQuAD-style token F1 over lower-cased
+whitespace-separated words (jaxgpt.completions). A line "records: N held-out, exact match …"
+and then the JSON line go to stdout; each example's prompt, reference and prediction go to
+--predictions (default RUN_DIR/predictions.jsonl), one JSON object per line.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from jaxgpt.errors import tidy_cli_output
 
 SPLITS = ("val", "train", "all")
 DEFAULT_BATCH_SIZE = 8
+RECORDS_MARGIN = 8  # jaxgpt.completions.MARGIN_TOKENS (not imported here: --help stays fast)
+SPLIT_WORDS = {"val": "held-out", "train": "training", "all": "in all"}
 
 
 def parse_args(argv):
@@ -67,6 +78,14 @@ def parse_args(argv):
                         help="also measure calibration (ECE, Brier) and fit a temperature; with --run_dir, write "
                              "calibration.json (the temperature sample.py --calibrated uses) and calibration.png")
     parser.add_argument("--bins", type=int, default=15, help="confidence bins for --calibration (default 15)")
+    parser.add_argument("--records", action="store_true",
+                        help="with --run_dir of a records run: also answer each example of the split greedily and "
+                             "report exact match and token F1 against its completion")
+    parser.add_argument("--max_records", type=int, help="with --records: answer only the first N examples")
+    parser.add_argument("--max_new_tokens", type=int, help="with --records: new tokens per answer at most (default: "
+                                                           f"the longest reference + {RECORDS_MARGIN})")
+    parser.add_argument("--predictions", help="with --records: the JSONL file of prompts, references and "
+                                              "predictions (default RUN_DIR/predictions.jsonl)")
     return parser.parse_args(argv)
 
 
@@ -74,6 +93,7 @@ def check_args(args) -> None:
     """Impossible values and combinations, found before anything is loaded."""
     if args.bins < 1:
         raise ValueError(f"--bins must be a positive integer, got {args.bins}")
+    check_records_args(args)
     for name in ("step", "stride", "block_size", "batch_size", "max_batches"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "step" else 1):
@@ -88,6 +108,26 @@ def check_args(args) -> None:
             raise ValueError("--hf_dir needs --data: the text to evaluate the model on")
         if args.step is not None:
             raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
+
+
+def check_records_args(args) -> None:
+    """--records and the flags that go with it."""
+    names = ("max_records", "max_new_tokens", "predictions")
+    alone = [f"--{name}" for name in names if getattr(args, name) is not None]
+    if not args.records:
+        if alone:
+            raise ValueError(f"{', '.join(alone)} go with --records: add --records, or drop them")
+        return
+    if args.run_dir is None:
+        raise ValueError("--records evaluates a records run's completions: give --run_dir (not --hf_dir)")
+    if args.calibration or args.stride is not None:
+        raise ValueError("--calibration and --stride measure text windows, not records: drop them, or --records")
+    for name in ("max_records", "max_new_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.predictions is not None and not Path(args.predictions).resolve().parent.is_dir():
+        raise ValueError(f"--predictions {args.predictions}: the directory {Path(args.predictions).parent} does not "
+                         "exist; make it, or write the predictions elsewhere")
 
 
 def load_model(args):
@@ -145,7 +185,12 @@ def evaluate(args) -> dict:
     if args.block_size is not None:
         config, params = convert.crop_block_size(config, params, args.block_size)
     split = args.split or ("val" if args.run_dir is not None else "all")
+    if args.records and saved.get("data", {}).get("format") != "records":
+        raise ValueError(f"--records answers the examples of a records run, but {args.run_dir} trained on "
+                         f"data.format={saved.get('data', {}).get('format', 'text')!r}: drop --records")
     corpus = data.prepare(data_config(args, saved, split), tokenizer=tokenizer)
+    if args.records:
+        return evaluate_records(args, params, config, tokenizer, corpus, saved, split)
     tokens = corpus.val if split == "val" else corpus.train
     source = args.data or corpus.meta["source"]
     if len(tokens) < 2:
@@ -181,6 +226,67 @@ def evaluate(args) -> dict:
         "block_size": config.block_size,
         "stride": stride or config.block_size,
     }
+
+
+def evaluate_records(args, params, config, tokenizer, corpus, saved: dict, split: str) -> dict:
+    """--records: the loss over the split's completions, then each example answered greedily
+    and scored (jaxgpt.completions); the predictions file written and the summary line printed."""
+    from jaxgpt.files import write_atomically
+
+    examples = corpus.examples["val" if split == "val" else "train"]
+    source = args.data or corpus.meta["source"]
+    if not len(examples):
+        raise ValueError(f"the {split} split of {source!r} holds no records: choose another --split, or raise "
+                         "--val_fraction for 'val'")
+    batch_size = args.batch_size or saved.get("train", {}).get("eval_batch_size") or DEFAULT_BATCH_SIZE
+    unknown_fraction, known_bytes_per_token = check_unknown(args, examples.tokens, tokenizer,
+                                                            f"the {split} split of {source!r}")
+    loss = records_loss(args, params, config, tokenizer, examples, saved.get("data", {}), batch_size,
+                        known_bytes_per_token or corpus.bytes_per_token["val" if split == "val" else "train"])
+    summary, rows = answer_records(args, params, config, tokenizer, examples, batch_size)
+    path = Path(args.predictions) if args.predictions is not None else Path(args.run_dir) / "predictions.jsonl"
+    write_atomically(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    skipped = f", {summary['skipped']} skipped (nothing before the completion)" if summary["skipped"] else ""
+    print(f"records: {summary['records']} {SPLIT_WORDS[split]}, exact match {summary['exact_match']:.1%}, token F1 "
+          f"{summary['token_f1']:.1%}, loss {loss['val_loss']:.4f}{skipped} (predictions in {path})")
+    return {"loss": loss["val_loss"], "perplexity": loss["val_ppl"], "bits_per_byte": loss["val_bpb"],
+            "tokens": loss["val_tokens"], "unknown_fraction": unknown_fraction,
+            "unknown_masked": loss.get("val_ignored", 0), **summary, "predictions": str(path),
+            "model": args.run_dir, "data": source, "split": split, "block_size": config.block_size}
+
+
+def records_loss(args, params, config, tokenizer, examples, data_section: dict, batch_size: int,
+                 bytes_per_token: float) -> dict:
+    """The loss over the completions of the examples, packed into rows as the run packed them."""
+    from tqdm.auto import tqdm
+
+    from jaxgpt import data
+    from jaxgpt.evaluation import evaluate_examples
+
+    layout = data.plan(examples, config.block_size, data_section.get("packing", "pack"),
+                       data_section.get("truncate", "completion"))
+    total = data.num_eval_rows(layout, batch_size)
+    with tqdm(total=min(total, args.max_batches or total), unit="batch", desc="eval", file=sys.stderr,
+              dynamic_ncols=True, mininterval=0.5) as bar:
+        return evaluate_examples(config, params, examples, layout, bytes_per_token, batch_size=batch_size,
+                                 max_batches=args.max_batches, on_batch=lambda done, _: bar.update(done - bar.n),
+                                 ignore_id=tokenizer.unk_id if args.mask_unknown else None)
+
+
+def answer_records(args, params, config, tokenizer, examples, batch_size: int) -> tuple[dict, list[dict]]:
+    """Each example's greedy completion scored, with a progress bar."""
+    from tqdm.auto import tqdm
+
+    from jaxgpt.completions import evaluate_completions
+
+    with tqdm(unit="batch", desc="answer", file=sys.stderr, dynamic_ncols=True, mininterval=0.5) as bar:
+        def on_batch(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        return evaluate_completions(params, config, tokenizer, examples, batch_size=batch_size,
+                                    max_new_tokens=args.max_new_tokens, max_records=args.max_records,
+                                    on_batch=on_batch)
 
 
 def calibrate(args, config, params, tokens, batch_size: int, stride) -> dict:

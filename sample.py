@@ -1,4 +1,5 @@
-"""Sample text from a trained run: python sample.py --run_dir RUN [--prompt TEXT | --prompt_file PATH | < stdin].
+"""Sample text from a trained run:
+python sample.py --run_dir RUN [--prompt TEXT | --prompt_file PATH | --record JSON | < stdin].
 
 (--hf_dir PATH samples from a Hugging Face GPT-2 directory instead of a run.)
 
@@ -7,6 +8,14 @@ Loads the run's config, tokenizer and best (else latest) checkpoint, then prints
 --beams best by beam search. --stream prints text as it is generated; --show_probs K prints,
 before each new token, the K most likely next tokens under the model. Generation stops at
 the tokenizer's <|eos|>. The work is done by jaxgpt.sampling, jaxgpt.beam and jaxgpt.text.
+
+Records runs: --record '{"question": "1+2"}' formats the prompt as training formatted the
+record's (the run's data.template, or data.prompt_template; for chat, the earlier turns with
+their completions and <|eos|>, then "Assistant: ") and prints only the completion. --template
+names a preset instead (prompt_completion, alpaca, qa, chat; 'run' for the run's own). With
+--prompt and --template, the prompt text fills the template's first required field (qa:
+question, alpaca: instruction, prompt_completion: prompt; chat: one user message). A prompt
+formatted by a template is answered greedily unless --temperature is given.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from absl import logging as absl_logging
 
 from jaxgpt import beam, convert, sampling, viz
 from jaxgpt.checkpoint import CheckpointError
+from jaxgpt.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
+from jaxgpt.data.records import PRESETS
 from jaxgpt.errors import tidy_cli_output
 from jaxgpt.run import load_run
 from jaxgpt.text import TextStream, encode_prompt, format_next_tokens
@@ -38,10 +49,15 @@ def parse_args(argv):
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the text to continue")
     source.add_argument("--prompt_file", help="a file holding the text to continue")
+    source.add_argument("--record", metavar="JSON", help="a record (a JSON object of fields) whose prompt the run's "
+                                                         "template (or --template) makes; prints the completion")
+    parser.add_argument("--template", help=f"format the prompt by a records preset ({', '.join(PRESETS)}) or "
+                                           f"{RUN_TEMPLATE!r}, the run's own (the default for --record)")
     parser.add_argument("--num_samples", type=int, default=1, help="how many continuations (default 1)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="at most this many new tokens (default 256)")
     parser.add_argument("--temperature", type=float,
-                        help="τ ≥ 0, 0 for greedy (default 1: the model's distribution)")
+                        help="τ ≥ 0, 0 for greedy (default 1: the model's distribution; 0 for a prompt formatted by "
+                             "a template)")
     parser.add_argument("--top_k", type=int, help="draw among the k most likely tokens only")
     parser.add_argument("--top_p", type=float, help="draw among the fewest most likely tokens holding probability p")
     parser.add_argument("--beams", type=int, help="beam search with this many beams instead of sampling")
@@ -62,6 +78,7 @@ def parse_args(argv):
 
 def check_args(args) -> None:
     """Impossible values and combinations, found before anything is loaded."""
+    check_record_args(args)
     if args.step is not None and args.hf_dir is not None:
         raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
     if args.calibrated and args.run_dir is None:
@@ -79,6 +96,45 @@ def check_args(args) -> None:
         raise ValueError(f"beam search is deterministic and prints whole beams: drop {', '.join(given)}, or --beams")
     if args.num_samples > args.beams:
         raise ValueError(f"--num_samples={args.num_samples} is more than --beams={args.beams}, the beams kept")
+
+
+def templated(args) -> bool:
+    """Whether a records template formats the prompt (--record or --template)."""
+    return args.record is not None or args.template is not None
+
+
+def check_record_args(args) -> None:
+    """--record's JSON (parsed into args.fields) and --template."""
+    args.fields = None
+    if args.template is not None and args.template not in (*PRESETS, RUN_TEMPLATE):
+        raise ValueError(f"--template {args.template!r} is not a preset: choose one of {', '.join(PRESETS)}, or "
+                         f"{RUN_TEMPLATE!r} for the run's own")
+    if templated(args) and args.hf_dir is not None and args.template in (None, RUN_TEMPLATE):
+        raise ValueError(f"a Hugging Face model has no records template of its own: name a preset with --template "
+                         f"({', '.join(PRESETS)})")
+    if args.record is None:
+        return
+    try:
+        args.fields = json.loads(args.record)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--record is not valid JSON ({err.msg} at character {err.pos}): give one object, e.g. "
+                         """--record '{"question": "1+2"}'""") from None
+    if not isinstance(args.fields, dict):
+        raise ValueError(f"--record must be a JSON object of fields, e.g. '{{\"question\": \"1+2\"}}', not a "
+                         f"JSON {type(args.fields).__name__}")
+
+
+def prompt_ids(args, tokenizer, text: str | None) -> tuple[str, list[int]]:
+    """(the text printed before each sample, the prompt's ids): the prompt as given, or
+    formatted by the records template (then nothing is printed before the completion)."""
+    if not templated(args):
+        return text, encode_prompt(tokenizer, text)
+    data = {}
+    if (args.template or RUN_TEMPLATE) == RUN_TEMPLATE:
+        data = json.loads((Path(args.run_dir) / "config.json").read_text(encoding="utf-8")).get("data", {})
+    forms = templates_named(args.template or RUN_TEMPLATE, data)
+    fields = args.fields if args.fields is not None else prompt_record(forms, text)
+    return "", record_prompt(forms, fields, tokenizer)[1]
 
 
 def read_prompt(args) -> str:
@@ -131,7 +187,8 @@ def calibrated_temperature(run_dir: Path) -> float:
 
 def sampling_options(args, **more) -> sampling.SamplingOptions:
     """The arguments' SamplingOptions (ValueError for impossible ones), with `more` fields."""
-    temperature = (1.0 if args.temperature is None else args.temperature) * getattr(args, "calibrated_t", 1.0)
+    default = 0.0 if templated(args) else 1.0
+    temperature = (default if args.temperature is None else args.temperature) * getattr(args, "calibrated_t", 1.0)
     return sampling.SamplingOptions(args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                                     **more)
 
@@ -173,13 +230,13 @@ def main(argv=None) -> int:
     tidy_cli_output()
     try:
         check_args(args)
-        prompt = read_prompt(args)
+        text = read_prompt(args) if args.record is None else None
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
         params, config, tokenizer = (load_run(args.run_dir, step=args.step) if args.run_dir is not None
                                      else convert.load_hf_run(args.hf_dir))
         if args.calibrated:
             args.calibrated_t = calibrated_temperature(Path(args.run_dir))
-        ids = encode_prompt(tokenizer, prompt)
+        prompt, ids = prompt_ids(args, tokenizer, text)
         if args.attention_png:
             viz.draw_attention(params, config, tokenizer, ids, args.attention_png, layer=args.attention_layer,
                                name=Path(args.run_dir or args.hf_dir).name)

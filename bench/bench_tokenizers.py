@@ -8,7 +8,8 @@ speed with a cold and a warm per-word cache, bytes per token, and whether
 decode(encode(text)) == text. Times are the best of --repeat runs. The byte-level BPE
 targets are checked against the `tokenizers` library's byte-level BPE measured in the same
 run, trained on the same text with the same vocabulary size and special tokens
-(pip install -e .[bench]). The word tokenizer keeps no whitespace runs, so it is not exact.
+(pip install -e .[bench]). WordPiece and unigram use the same vocabulary size as BPE. The word
+tokenizer keeps no whitespace runs, so it is not exact.
 """
 
 from __future__ import annotations
@@ -159,11 +160,13 @@ def main(argv=None):
     text = args.corpus.read_text(encoding="utf-8")
     n_bytes = len(text.encode("utf-8"))
     print(f"corpus {args.corpus.resolve()}: {n_bytes / 1e6:.2f} MB; "
-          f"BPE vocab_size {args.vocab_size}; best of {args.repeat}\n")
+          f"BPE, wordpiece and unigram vocab_size {args.vocab_size}; best of {args.repeat}\n")
 
     ours = jaxgpt_row("bpe", text, args.vocab_size, args.repeat)
     library = library_row(text, args.vocab_size, args.repeat)
     rows = [ours, *([library] if library else []),
+            jaxgpt_row("wordpiece", text, args.vocab_size, args.repeat),
+            jaxgpt_row("unigram", text, args.vocab_size, args.repeat),
             jaxgpt_row("char", text, None, args.repeat),
             jaxgpt_row("word", text, None, args.repeat)]
     print_rows(rows, n_bytes)

@@ -9,6 +9,10 @@ with data.template = 'qa' (fields question, answer):
                pair at most once (default 20000 records)
     reverse    {"question": "Reverse: kdqab", "answer": "baqdk"}: 3 to 8 letters of a–k
                (default 20000 records)
+    lookup     {"context": "fruit=fig city=Lima color=red metal=tin", "question": "What is the
+               city?", "answer": "Lima"}: a row of a generated table (4 of its 5 columns in a
+               random order, each value drawn from 10) and one of its fields asked for: the
+               answer is in the context, not in the model's memory (default 20000 records)
 """
 
 from __future__ import annotations
@@ -48,7 +52,28 @@ def _reverse(rng: random.Random, count: int) -> list[dict[str, str]]:
     return records
 
 
-TASKS: dict[str, Callable[[random.Random, int], list[dict[str, str]]]] = {"addition": _addition, "reverse": _reverse}
+LOOKUP_FIELDS = {
+    "color": ("red", "blue", "green", "black", "white", "amber", "violet", "grey", "pink", "brown"),
+    "city": ("Oslo", "Lima", "Rome", "Kyiv", "Pune", "Graz", "Nice", "Bern", "Cork", "Faro"),
+    "animal": ("cat", "owl", "fox", "yak", "eel", "bee", "elk", "ram", "ant", "cod"),
+    "fruit": ("fig", "lime", "pear", "plum", "kiwi", "date", "apple", "grape", "lemon", "mango"),
+    "metal": ("tin", "iron", "gold", "zinc", "lead", "copper", "silver", "nickel", "cobalt", "bronze"),
+}
+
+
+def _lookup(rng: random.Random, count: int) -> list[dict[str, str]]:
+    records = []
+    for _ in range(count):
+        keys = rng.sample(sorted(LOOKUP_FIELDS), 4)
+        row = {key: rng.choice(LOOKUP_FIELDS[key]) for key in keys}
+        asked = rng.choice(keys)
+        records.append({"context": " ".join(f"{key}={value}" for key, value in row.items()),
+                        "question": f"What is the {asked}?", "answer": row[asked]})
+    return records
+
+
+TASKS: dict[str, Callable[[random.Random, int], list[dict[str, str]]]] = {
+    "addition": _addition, "reverse": _reverse, "lookup": _lookup}
 
 
 def is_generated(spec: str | None) -> bool:

@@ -1,10 +1,13 @@
-"""Tokenizers T: text → Seq(V): character, word and byte-level BPE behind one interface.
+"""Tokenizers T: text → Seq(V): character, word, byte-level BPE, WordPiece and unigram behind one
+interface.
 
 A tokenizer is a map T: text → Seq(V) into sequences over the vocabulary
 V = {0, ..., vocab_size - 1}, with a decoder D: Seq(V) → text. Byte-level BPE is lossless,
 D(T(t)) = t for every string t; char is lossless on text whose characters were all seen in
 training (the others become <|unk|>); word keeps words, numbers, punctuation and line breaks,
-and D puts back the spacing of ordinary prose.
+and D puts back the spacing of ordinary prose. WordPiece and unigram are lossless on text whose
+characters were all seen in training (an unseen character makes its word, for WordPiece, or
+itself, for unigram, one <|unk|>).
 
 Every tokenizer has `encode(text, bos=False, eos=False, allow_special=False) -> list[int]`,
 `decode(ids, keep_special=False) -> str`, `encode_batch(texts, ...)`, `count_unknown(text)`,
@@ -24,12 +27,19 @@ Where ids sit (`vocab_size` counts every id, i.e. the rows an embedding table ne
   were learned, then <|bos|> <|eos|> <|pad|>. No <|unk|>: every string is a byte string.
 - bpe read from GPT-2 files: the ids of vocab.json; <|endoftext|> serves as both bos and
   eos, and there is no pad.
+- wordpiece: 0 <|bos|>, 1 <|eos|>, 2 <|pad|>, 3 <|unk|>, then the single characters (as
+  first pieces and as "##" continuations), then the merged pieces in the order they were
+  learned.
+- unigram: 0 <|bos|>, 1 <|eos|>, 2 <|pad|>, 3 <|unk|>, then the pieces ("▁" for a space that
+  starts a word) from the most probable down.
 
 A tokenizer file is one JSON object {"format": "jaxgpt-tokenizer", "version": 1, "kind":
-"char" | "word" | "bpe", ...}; loading it only parses JSON and never executes code.
+"char" | "word" | "bpe" | "wordpiece" | "unigram", ...}; loading it only parses JSON and never
+executes code.
 
 Modules: `base` (the interface, shared helpers), `char_word` (char and word), `bpe`
-(byte-level BPE, GPT-2's files); this one holds the registry of kinds.
+(byte-level BPE, GPT-2's files), `wordpiece` (WordPiece, "##" continuations), `unigram`
+(SentencePiece-style unigram language model); this one holds the registry of kinds.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from jaxgpt.tokenizers.base import (
 )
 from jaxgpt.tokenizers.bpe import GPT2_SPLIT_PATTERN, BPETokenizer
 from jaxgpt.tokenizers.char_word import CharTokenizer, WordTokenizer
+from jaxgpt.tokenizers.unigram import UnigramTokenizer
+from jaxgpt.tokenizers.wordpiece import WordPieceTokenizer
 
 __all__ = [
     "BOS",
@@ -66,6 +78,8 @@ __all__ = [
     "BPETokenizer",
     "CharTokenizer",
     "Tokenizer",
+    "UnigramTokenizer",
+    "WordPieceTokenizer",
     "WordTokenizer",
     "from_dict",
     "load",
@@ -76,16 +90,20 @@ KINDS: dict[str, type[Tokenizer]] = {
     "char": CharTokenizer,
     "word": WordTokenizer,
     "bpe": BPETokenizer,
+    "wordpiece": WordPieceTokenizer,
+    "unigram": UnigramTokenizer,
 }
 
 
 def train_tokenizer(
     kind: str, texts: str | Iterable[str], vocab_size: int | None = None, **options: Any
 ) -> Tokenizer:
-    """Train a tokenizer of `kind` ("char", "word" or "bpe") on a string or documents.
+    """Train a tokenizer of `kind` ("char", "word", "bpe", "wordpiece" or "unigram") on a
+    string or documents.
 
     `vocab_size` counts every id, specials included; None means every character or word
-    seen (char, word); BPE needs one. `options` go to the kind's `train` (BPE: `pattern`).
+    seen (char, word); bpe, wordpiece and unigram need one. `options` go to the kind's
+    `train` (bpe: `pattern`; unigram: `max_piece_length`).
     """
     return _kind_class(kind).train(texts, vocab_size=vocab_size, **options)
 
