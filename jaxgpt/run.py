@@ -401,7 +401,13 @@ def _announcement(run: Run, start_step: int, tokens_per_step: int, peak: float |
     mfu = f"MFU against a peak of {peak / 1e9:.0f} GFLOP/s" if peak else "MFU not reported (set train.peak_flops)"
     return (f"jaxgpt: {cfg.n_layer} layers, d_model {cfg.d_model}, {jax.device_count()} {jax.default_backend()} "
             f"device(s), mesh {dict(run.mesh.shape)}, {tokens_per_step} tokens/step, "
-            f"{'resuming at step ' + str(start_step) if start_step else 'from scratch'}; {mfu}")
+            f"{_start(run, start_step)}; {mfu}")
+
+
+def _start(run: Run, start_step: int) -> str:
+    if start_step:
+        return f"resuming at step {start_step}"
+    return f"starting from {run.config.init_from}" if run.config.init_from else "from scratch"
 
 
 def _evaluation_line(step: int, record: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ with data.template = 'qa' (fields question, answer):
                (default 20000 records)
     lookup     {"context": "fruit=fig city=Lima color=red metal=tin", "question": "What is the
                city?", "answer": "Lima"}: a row of a generated table (4 of its 5 columns in a
-               random order, each value drawn from 10) and one of its fields asked for: the
+               random order, each value one of 10) and one of its fields asked for: the
                answer is in the context, not in the model's memory (default 20000 records)
 """
 
@@ -28,6 +28,7 @@ from jaxgpt.files import write_atomically
 PREFIX = "generated:"
 DEFAULT_COUNT = 20000
 SEED = 1234
+VERSION = 4  # in the file's name: raise it whenever a task's records change
 
 
 def _addition(rng: random.Random, count: int) -> list[dict[str, str]]:
@@ -87,7 +88,7 @@ def generated_file(spec: str, cache_dir: Path) -> Path:
         raise DataError(f"data.source={spec!r}: choose 'generated:NAME' or 'generated:NAME:COUNT' (COUNT > 1) with "
                         f"NAME one of {', '.join(TASKS)}")
     count = int(count_text) if count_text else DEFAULT_COUNT
-    path = cache_dir / "generated" / f"{name}-{count}-seed{SEED}.jsonl"
+    path = cache_dir / "generated" / f"{name}-{count}-seed{SEED}-v{VERSION}.jsonl"
     if not path.is_file():
         records = TASKS[name](random.Random(SEED), count)
         path.parent.mkdir(parents=True, exist_ok=True)
