@@ -37,6 +37,15 @@ def packed_row(lengths, width, rng, vocab=19):
     return [jnp.asarray(a, jnp.int32)[None] for a in (tokens, positions, segments)], examples
 
 
+def assert_each_example_alone(cfg, params, packed, examples):
+    """Each example's logits in the packed row equal its logits computed alone."""
+    start = 0
+    for example in examples:
+        alone = GPT(cfg).apply({"params": params}, jnp.asarray(example, jnp.int32)[None])
+        np.testing.assert_allclose(packed[0, start:start + len(example)], alone[0], atol=1e-5, rtol=1e-5)
+        start += len(example)
+
+
 @pytest.mark.parametrize("attention", ["explicit", "xla"])
 @pytest.mark.parametrize("positions", ["learned", "sinusoidal", "rope", "alibi", "none"])
 def test_packed_logits_equal_each_example_alone(positions, attention):
@@ -44,11 +53,7 @@ def test_packed_logits_equal_each_example_alone(positions, attention):
     params = init(cfg)
     (tokens, pos, seg), examples = packed_row(LENGTHS, cfg.block_size, np.random.default_rng(1))
     packed = GPT(cfg).apply({"params": params}, tokens, positions=pos, segments=seg)
-    start = 0
-    for example in examples:
-        alone = GPT(cfg).apply({"params": params}, jnp.asarray(example, jnp.int32)[None])
-        np.testing.assert_allclose(packed[0, start:start + len(example)], alone[0], atol=1e-5, rtol=1e-5)
-        start += len(example)
+    assert_each_example_alone(cfg, params, packed, examples)
 
 
 @pytest.mark.parametrize("positions", ["rope", "alibi"])
@@ -58,11 +63,7 @@ def test_blocked_attention_keeps_examples_apart(positions):
     params = init(cfg)
     (tokens, pos, seg), examples = packed_row((30, 41, 6), cfg.block_size, np.random.default_rng(2))
     packed = GPT(cfg).apply({"params": params}, tokens, positions=pos, segments=seg)
-    start = 0
-    for example in examples:
-        alone = GPT(cfg).apply({"params": params}, jnp.asarray(example, jnp.int32)[None])
-        np.testing.assert_allclose(packed[0, start:start + len(example)], alone[0], atol=1e-5, rtol=1e-5)
-        start += len(example)
+    assert_each_example_alone(cfg, params, packed, examples)
 
 
 @pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])

@@ -356,7 +356,7 @@ def _fuse_in_words(
     grown: set[tuple[int, int]] = set()
     for w in words_with.pop(pair):
         old_word = words[w]
-        new_word = _merge_pair(old_word, left, right, new)
+        new_word = merge_pair(old_word, left, right, new)
         if new_word is None:
             continue
         count = counts[w]
@@ -371,7 +371,7 @@ def _fuse_in_words(
     return grown
 
 
-def _merge_pair(word: list[int], left: int, right: int, new: int) -> list[int] | None:
+def merge_pair(word: list[int], left: int, right: int, new: int) -> list[int] | None:
     """`word` with each (left, right), scanned left to right, fused into `new`; None if absent."""
     out: list[int] = []
     i, n = 0, len(word)

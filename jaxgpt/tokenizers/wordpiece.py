@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.tokenizers.base import BOS, EOS, PAD, UNK, Tokenizer, _check_vocab_size, _documents, _field
+from jaxgpt.tokenizers.bpe import merge_pair
 
 _PRE_TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
 _WORD_START = re.compile(r"\w")
@@ -257,7 +258,7 @@ class _Merger:
         changes: list[tuple[int, int]] = []
         for w in self.words_with.pop(p):
             old, count = self.words[w], self.counts[w]
-            fused = _fuse(old, a, b, new)
+            fused = merge_pair(old, a, b, new)
             if fused is None:
                 continue
             for u in old:
@@ -286,16 +287,3 @@ class _Merger:
             index, delta = np.array(changes, np.int64).T
             np.add.at(self.pair_count, index, delta)
 
-
-def _fuse(word: list[int], a: int, b: int, new: int) -> list[int] | None:
-    """`word` with each (a, b), scanned left to right, fused into `new`; None if it has none."""
-    out: list[int] = []
-    i, n = 0, len(word)
-    while i < n:
-        if i + 1 < n and word[i] == a and word[i + 1] == b:
-            out.append(new)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return out if len(out) < n else None
