@@ -31,7 +31,9 @@ from jaxgpt.errors import ConfigError, DataError
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu")
+ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu", "silu", "glu")
+GATED = ("swiglu", "geglu", "glu")
+INITS = ("gpt2", "he", "small")
 ATTENTIONS = ("explicit", "blocked", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 RESUME = ("auto", "never", "must")
@@ -64,11 +66,45 @@ class GPTConfig:
     # causal mask hides (training and prefill); xla / cudnn = jax.nn.dot_product_attention
     attention: str = "explicit"
     remat: bool = False  # recompute attention and elementwise ops in the backward pass: less memory
+    n_kv_head: int | None = None  # key/value heads, each shared by n_head/n_kv_head query heads; None = n_head
+    head_dim: int | None = None  # the size D of each head; None = d_model // n_head
+    logits_bias: bool = False  # a learned vector b_U added to the logits
+    ffn_layers: int = 1  # hidden layers of the FFN: d → d_ff → … → d_ff → d
+    ffn_dropout: float = 0.0  # dropout on the FFN's hidden activations
+    init: str = "gpt2"  # "gpt2" | "he" | "small": the weights' initial distributions (model.kernel_std)
 
-    def __post_init__(self):
+    def _resolve_defaults(self):
+        """d_ff, head_dim and n_kv_head left as None take the values they mean."""
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "d_ff"):
+        heads_valid = is_int(self.n_head) and self.n_head > 0 and is_int(self.d_model)
+        if self.head_dim is None and heads_valid:
+            if self.d_model % self.n_head:
+                raise ValueError(
+                    f"GPTConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}: "
+                    f"choose n_head among the divisors of d_model, or set head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+
+    def _check_variants(self):
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
+                             f"choose n_kv_head among the divisors of n_head")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"GPTConfig.positions='rope' needs an even head size, but head_dim = {self.head_dim}: "
+                f"choose an even head_dim (or d_model and n_head so that d_model/n_head is even)"
+            )
+        if self.ffn_layers > 1 and self.activation in GATED:
+            raise ValueError(f"GPTConfig.ffn_layers={self.ffn_layers} with the gated activation "
+                             f"{self.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
+
+    def __post_init__(self):
+        self._resolve_defaults()
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
+                     "ffn_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive integer")
@@ -80,27 +116,20 @@ class GPTConfig:
             ("attention", ATTENTIONS),
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
+            ("init", INITS),
         ):
             value = getattr(self, name)
             if value not in valid:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be one of {', '.join(valid)}")
-        for name in ("parallel_block", "bias", "tie_embeddings", "remat"):
+        for name in ("parallel_block", "bias", "tie_embeddings", "remat", "logits_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be True or False")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout!r}: must be in [0, 1)")
+        for name in ("dropout", "ffn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")
         if not self.norm_eps > 0:
             raise ValueError(f"GPTConfig.norm_eps={self.norm_eps!r}: must be positive")
-        if self.d_model % self.n_head:
-            raise ValueError(
-                f"GPTConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}: "
-                f"choose n_head among the divisors of d_model"
-            )
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(
-                f"GPTConfig.positions='rope' needs an even head size, but d_model/n_head = "
-                f"{self.d_model}/{self.n_head} = {self.head_dim}: choose d_model and n_head so it is even"
-            )
+        self._check_variants()
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"GPTConfig.positions='sinusoidal' needs an even d_model, got d_model={self.d_model}")
         if self.parallel_block and self.norm_position == "post":
@@ -113,10 +142,6 @@ class GPTConfig:
                 f"GPTConfig.attention='cudnn' needs a CUDA GPU, but JAX sees only "
                 f"{jax.default_backend()} devices: use attention='xla' or 'explicit'"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
 
     @property
     def compute_dtype(self):

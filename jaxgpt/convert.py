@@ -67,8 +67,7 @@ VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
 INIT_FROM_SCHEME = "hf:"
 
-# activation_function → GPTConfig.activation (the tanh approximation goes by three names),
-# and back.
+# activation_function → GPTConfig.activation (the tanh approximation goes by three names) and back.
 ACTIVATIONS_FROM_HF = {
     "gelu_new": "gelu",
     "gelu_pytorch_tanh": "gelu",
@@ -190,14 +189,15 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> GPTConfi
 
 
 def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) -> dict[str, Any]:
-    """The config.json of the GPT-2 that is `cfg`; ValueError for what GPT-2 cannot express.
-    bos/eos ids come from `tokenizer` (none without one)."""
+    """The config.json of the GPT-2 that is `cfg` (bos/eos ids from `tokenizer`); ValueError for what it cannot be."""
     refusals = [
         (cfg.positions != "learned", f"positions={cfg.positions!r}: GPT-2 learns its position table ('learned')"),
         (cfg.norm != "layernorm", f"norm={cfg.norm!r}: GPT-2 uses LayerNorm ('layernorm')"),
         (cfg.norm_position != "pre", f"norm_position={cfg.norm_position!r}: GPT-2 normalises before each "
                                      "sublayer ('pre')"),
         (cfg.parallel_block, "parallel_block=True: GPT-2's attention and FFN are sequential"),
+        (cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model or cfg.logits_bias
+         or cfg.ffn_layers > 1, "n_kv_head, head_dim, logits_bias, ffn_layers: GPT-2 has only the defaults"),
         (cfg.activation not in ACTIVATIONS_TO_HF, f"activation={cfg.activation!r}: GPT-2's FFN uses one of "
                                                  f"{', '.join(ACTIVATIONS_TO_HF)}"),
     ]

@@ -35,6 +35,22 @@ def residual_std(cfg: GPTConfig) -> float:
     return INIT_STD / math.sqrt(2 * cfg.n_layer)
 
 
+def kernel_std(cfg: GPTConfig, fan_in: int, residual: bool = False) -> float:
+    """The std σ of a weight matrix's N(0, σ²) entries under cfg.init:
+    gpt2: σ = 0.02, and 0.02/√(2·n_layer) for the projections into the residual stream;
+    he: σ = √(2/fan_in) for every matrix; small: σ = √(2/(5·d_model)), divided by √(2·n_layer)
+    for the residual projections. fan_in is the matrix's input width."""
+    if cfg.init == "he":
+        return math.sqrt(2 / fan_in)
+    std = INIT_STD if cfg.init == "gpt2" else math.sqrt(2 / (5 * cfg.d_model))
+    return std / math.sqrt(2 * cfg.n_layer) if residual else std
+
+
+def embedding_std(cfg: GPTConfig) -> float:
+    """The token and position tables: N(0, 0.02²) under gpt2 and he, N(0, 2/(5·d_model)) under small."""
+    return math.sqrt(2 / (5 * cfg.d_model)) if cfg.init == "small" else INIT_STD
+
+
 # --- the KV cache ------------------------------------------------------------------------
 
 
@@ -42,7 +58,7 @@ def residual_std(cfg: GPTConfig) -> float:
 class KVCache:
     """Keys and values of every layer for positions already seen, and where each row is.
 
-    keys[l], values[l]: (B, L, H, D). positions, segments: (B, L) the position and segment
+    keys[l], values[l]: (B, L, H_kv, D), H_kv = n_kv_head. positions, segments: (B, L) the position and segment
     (example) of the token in each slot; unless a call says otherwise, slot s holds position
     s of segment 0. index: (B,) the number of slots written so far in each row: the next
     tokens are written at index, index+1, … Setting index lower (e.g. to each prompt's true
@@ -67,7 +83,7 @@ def init_cache(cfg: GPTConfig, batch_size: int, max_length: int | None = None, d
     if not 0 < max_length <= cfg.block_size:
         raise ValueError(f"init_cache: max_length={max_length} must be in 1…block_size={cfg.block_size}")
     dtype = cfg.compute_dtype if dtype is None else dtype
-    shape = (batch_size, max_length, cfg.n_head, cfg.head_dim)
+    shape = (batch_size, max_length, cfg.n_kv_head, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
     slots = jnp.broadcast_to(jnp.arange(max_length, dtype=jnp.int32), (batch_size, max_length))
     return KVCache(keys=zeros, values=zeros, index=jnp.zeros((batch_size,), jnp.int32), positions=slots,
@@ -88,19 +104,21 @@ def write_rows(cache_rows, new_rows, index):
 
 class Linear(nn.Module):
     """y = x W + b, with W of shape (input dims…, output dims…) as Flax's DenseGeneral has it;
-    the input dims are the last `n_in` axes of x. Computed as one 2-D matmul (ops.linear)."""
+    the input dims are the last `n_in` axes of x. Computed as one 2-D matmul (ops.linear).
+    W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual)."""
 
     features: tuple
     cfg: GPTConfig
     n_in: int = 1
     use_bias: bool = True
-    init_std: float = INIT_STD
+    residual: bool = False  # writes into the residual stream
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
         in_shape, out_shape = x.shape[x.ndim - self.n_in:], tuple(self.features)
-        kernel = self.param("kernel", normal(self.init_std), (*in_shape, *out_shape), cfg.params_dtype)
+        std = kernel_std(cfg, math.prod(in_shape), self.residual)
+        kernel = self.param("kernel", normal(std), (*in_shape, *out_shape), cfg.params_dtype)
         batch = x.shape[: x.ndim - self.n_in]
         x2 = x.reshape(*batch, math.prod(in_shape)).astype(cfg.compute_dtype)
         w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(cfg.compute_dtype)
@@ -176,15 +194,30 @@ class Where(NamedTuple):
 
 
 class CausalSelfAttention(nn.Module):
-    """MHA(X) = concat_h(softmax(Q_h K_hᵀ/√d_k + M) V_h) W_O, with Q, K, V = X W_Q, X W_K, X W_V."""
+    """MHA(X) = concat_h(softmax(Q_h K_{g(h)}ᵀ/√d_k + M) V_{g(h)}) W_O, with Q, K, V = X W_Q, X W_K, X W_V.
+
+    Q has n_head heads of size D = head_dim, K and V n_kv_head, each shared by n_head/n_kv_head
+    query heads: g(h) = ⌊h·n_kv_head/n_head⌋ (g(h) = h for multi-head attention). Params:
+    with n_kv_head = n_head, c_attn/kernel (d, 3, H, D) (GPT-2's layout); otherwise
+    q_proj/kernel (d, H, D) and kv_proj/kernel (d, 2, H_kv, D). c_proj/kernel (H, D, d) is W_O.
+    """
 
     cfg: GPTConfig
+
+    def project(self, x):
+        """Q (B, T, H, D), K and V (B, T, H_kv, D)."""
+        cfg = self.cfg
+        if cfg.n_kv_head == cfg.n_head:
+            qkv = Linear((3, cfg.n_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="c_attn")(x)
+            return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+        q = Linear((cfg.n_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="q_proj")(x)
+        kv = Linear((2, cfg.n_kv_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="kv_proj")(x)
+        return q, kv[..., 0, :, :], kv[..., 1, :, :]
 
     @nn.compact
     def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True):
         cfg = self.cfg
-        qkv = Linear((3, cfg.n_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="c_attn")(x)
-        q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]  # each (B, T, H, D)
+        q, k, v = self.project(x)
         if cfg.positions == "rope":
             q, k = ops.rope(q, where.q_positions, cfg.rope_base), ops.rope(k, where.q_positions, cfg.rope_base)
         if layer_cache is not None:  # the new keys join those of the earlier positions
@@ -197,6 +230,7 @@ class CausalSelfAttention(nn.Module):
                 if cfg.positions == "alibi" else None
 
         def explicit(q, k, v, where: Where, whole=True):
+            k, v = ops.share_kv_heads(k, cfg.n_head), ops.share_kv_heads(v, cfg.n_head)
             weights = ops.attention_weights(q, k, where.mask(), alibi(where))
             if whole:  # the (T, S) map of all the queries, for pictures
                 self.sow("intermediates", "attention_weights", weights)
@@ -218,22 +252,28 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=where.mask(),
                 implementation=cfg.attention
             )
-        out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, init_std=residual_std(cfg), name="c_proj")(context)
+        out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")(context)
         return out, layer_cache
 
 
 class MLP(nn.Module):
-    """FFN(X) = act(X W₁ + b₁) W₂ + b₂; for gated activations X W₁ is [XW, XV] and act halves it."""
+    """FFN(X) = act(X W₁ + b₁) W₂ + b₂; for gated activations X W₁ is [XW, XV] and act halves it.
+
+    With ffn_layers = n: H₁ = act(X W₁ + b₁), H_i = act(H_{i−1} W_i + b_i) for i = 2…n (each
+    d_ff → d_ff: params c_fc_2 … c_fc_n), FFN(X) = H_n W_out + b_out (c_proj); ffn_dropout
+    applies to each H_i. Gated activations are refused for n > 1 (GPTConfig)."""
 
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, deterministic=True):
         cfg = self.cfg
+        act, drop = ops.ACTIVATIONS[cfg.activation], Dropout(cfg.ffn_dropout)
         width = cfg.d_ff * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
-        h = Linear((width,), cfg, use_bias=cfg.bias, name="c_fc")(x)
-        h = ops.ACTIVATIONS[cfg.activation](h)
-        return Linear((cfg.d_model,), cfg, use_bias=cfg.bias, init_std=residual_std(cfg), name="c_proj")(h)
+        h = drop(act(Linear((width,), cfg, use_bias=cfg.bias, name="c_fc")(x)), deterministic)
+        for i in range(2, cfg.ffn_layers + 1):
+            h = drop(act(Linear((cfg.d_ff,), cfg, use_bias=cfg.bias, name=f"c_fc_{i}")(h)), deterministic)
+        return Linear((cfg.d_model,), cfg, use_bias=cfg.bias, residual=True, name="c_proj")(h)
 
 
 class Block(nn.Module):
@@ -249,23 +289,24 @@ class Block(nn.Module):
         ln_1, attn, mlp = make_norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
         drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
         mha = lambda h: attn(h, where, layer_cache, deterministic=deterministic)  # noqa: E731
+        ffn = lambda h: mlp(h, deterministic)  # noqa: E731
 
         if cfg.parallel_block:
             h = ln_1(x)
             a, layer_cache = mha(h)
-            return x + drop(a) + drop(mlp(h)), layer_cache
+            return x + drop(a) + drop(ffn(h)), layer_cache
         ln_2 = make_norm(cfg, "ln_2")
         if cfg.norm_position == "pre":
             a, layer_cache = mha(ln_1(x))
             y = x + drop(a)
-            return y + drop(mlp(ln_2(y))), layer_cache
+            return y + drop(ffn(ln_2(y))), layer_cache
         a, layer_cache = mha(x)
         y = ln_1(x + drop(a))
-        return ln_2(y + drop(mlp(y))), layer_cache
+        return ln_2(y + drop(ffn(y))), layer_cache
 
 
 class GPT(nn.Module):
-    """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U.
+    """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U (+ b_U with logits_bias).
 
     positions (B, T): each token's position, default 0…T−1 (with a cache: cache.index …
     cache.index+T−1). segments (B, T): with several examples packed in a row, the example
@@ -296,11 +337,11 @@ class GPT(nn.Module):
                                   segments=write_rows(cache.segments, segments, cache.index))
             where = Where(positions, cache.positions, segments, cache.segments)
 
-        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal(INIT_STD),
+        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal(embedding_std(cfg)),
                        dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wte")
         x = wte(tokens)
         if cfg.positions == "learned":
-            wpe = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=normal(INIT_STD),
+            wpe = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=normal(embedding_std(cfg)),
                            dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wpe")
             x = x + wpe(positions)
         elif cfg.positions == "sinusoidal":
@@ -326,6 +367,8 @@ class GPT(nn.Module):
             logits = ops.linear(x.astype(cfg.compute_dtype), wte.embedding.T.astype(cfg.compute_dtype))
         else:
             logits = Linear((cfg.vocab_size,), cfg, use_bias=False, name="lm_head")(x)
+        if cfg.logits_bias:  # b_U
+            logits = logits + self.param("logits_bias", nn.initializers.zeros, (cfg.vocab_size,), cfg.params_dtype)
         logits = logits.astype(jnp.float32)
         if cache is None:
             return logits
@@ -341,22 +384,23 @@ def param_count(cfg: GPTConfig) -> int:
     b = 1 if cfg.bias else 0
     norm = d * (1 + (b if cfg.norm == "layernorm" else 0))
     hidden = f * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
-    attn = d * 3 * d + b * 3 * d + d * d + b * d
-    mlp = d * hidden + b * hidden + f * d + b * d
+    q, kv = cfg.n_head * cfg.head_dim, 2 * cfg.n_kv_head * cfg.head_dim  # widths of Q and of [K, V]
+    attn = (d + b) * (q + kv) + q * d + b * d
+    mlp = (d + b) * hidden + (cfg.ffn_layers - 1) * (f + b) * f + f * d + b * d
     norms_per_block = 1 if cfg.parallel_block else 2
     block = attn + mlp + norms_per_block * norm
     embeddings = V * d + (cfg.block_size * d if cfg.positions == "learned" else 0)
     head = 0 if cfg.tie_embeddings else V * d
-    return embeddings + cfg.n_layer * block + norm + head
+    return embeddings + cfg.n_layer * block + norm + head + (V if cfg.logits_bias else 0)
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the weight matmuls (forward 2N, backward 4N) plus
-    12·n_layer·d_model·seq_len for QKᵀ and AV. N counts parameters used in matmuls: all but
+    12·n_layer·n_head·head_dim·seq_len for QKᵀ and AV. N counts parameters used in matmuls: all but
     the position table and, when untied, the input embedding (lookups cost no FLOPs)."""
     n = param_count(cfg)
     if cfg.positions == "learned":
         n -= cfg.block_size * cfg.d_model
     if not cfg.tie_embeddings:
         n -= cfg.vocab_size * cfg.d_model
-    return 6 * n + 12 * cfg.n_layer * cfg.d_model * seq_len
+    return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len

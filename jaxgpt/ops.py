@@ -83,6 +83,12 @@ def attention(q, k, v, mask=None, bias=None):
     return attend(attention_weights(q, k, mask, bias), v)
 
 
+def share_kv_heads(kv, n_head):
+    """Grouped-query attention: K_h = K_{⌊h/g⌋}, g = n_head/n_kv_head, for kv (B,S,H_kv,D) → (B,S,H,D):
+    each of the H_kv key/value heads serves g consecutive query heads."""
+    return jnp.repeat(kv, n_head // kv.shape[-2], axis=-2)
+
+
 # --- normalisation ----------------------------------------------------------------------
 
 
@@ -122,6 +128,11 @@ def relu(x):
     return jax.nn.relu(x)
 
 
+def silu(x):
+    """SiLU (Swish, β = 1): silu(x) = x σ(x), σ(x) = 1/(1 + e^(−x))."""
+    return jax.nn.silu(x)
+
+
 def swiglu(x):
     """SwiGLU([a, b]) = silu(a) ⊙ b, a and b the two halves of the last axis (XW and XV)."""
     a, b = jnp.split(x, 2, axis=-1)
@@ -134,8 +145,15 @@ def geglu(x):
     return gelu(a) * b
 
 
-ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "relu": relu, "swiglu": swiglu, "geglu": geglu}
-GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
+def glu(x):
+    """GLU([a, b]) = σ(a) ⊙ b, a and b the two halves of the last axis (XW and XV)."""
+    a, b = jnp.split(x, 2, axis=-1)
+    return jax.nn.sigmoid(a) * b
+
+
+ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "relu": relu, "silu": silu, "swiglu": swiglu,
+               "geglu": geglu, "glu": glu}
+GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "glu"})
 
 # --- positions ---------------------------------------------------------------------------
 

@@ -26,12 +26,20 @@ PARTITION_RULES = (
     (r"wpe/embedding$", P(None, "fsdp")),  # (N, d)
     (r"attn/c_attn/kernel$", P("fsdp", None, "tensor", None)),  # (d, 3, H, D)
     (r"attn/c_attn/bias$", P(None, "tensor", None)),  # (3, H, D)
+    (r"attn/q_proj/kernel$", P("fsdp", "tensor", None)),  # (d, H, D), grouped-query attention
+    (r"attn/q_proj/bias$", P("tensor", None)),  # (H, D)
+    (r"attn/kv_proj/kernel$", P("fsdp", None, "tensor", None)),  # (d, 2, H_kv, D)
+    (r"attn/kv_proj/bias$", P(None, "tensor", None)),  # (2, H_kv, D)
     (r"attn/c_proj/kernel$", P("tensor", None, "fsdp")),  # (H, D, d)
     (r"mlp/c_fc/kernel$", P("fsdp", "tensor")),  # (d, F)
     (r"mlp/c_fc/bias$", P("tensor")),  # (F,)
     (r"mlp/c_proj/kernel$", P("tensor", "fsdp")),  # (F, d)
     (r"lm_head/kernel$", P("fsdp", "tensor")),  # (d, V)
+    (r"logits_bias$", P("tensor")),  # (V,)
 )
+# Leaves whose 'tensor' dimension must divide evenly (no silent replication): the key/value
+# heads of grouped-query attention, which the query heads of each device read.
+STRICT_TENSOR = r"attn/kv_proj/(kernel|bias)$"
 
 
 def make_mesh(mesh_cfg) -> Mesh:
@@ -76,11 +84,23 @@ def spec_for(path: str, shape) -> P:
     return P()
 
 
+def leaf_spec(path: str, shape, mesh) -> P:
+    """The spec of the leaf at `path` on `mesh`: spec_for fitted to the mesh by fit_spec;
+    ValueError when the key/value heads of grouped-query attention do not split over 'tensor'."""
+    spec = spec_for(path, shape)
+    tensor = mesh.shape["tensor"]
+    if re.search(STRICT_TENSOR, path) and tensor > 1 and "tensor" in tuple(spec):
+        heads = shape[tuple(spec).index("tensor")]
+        if heads % tensor:
+            raise ValueError(f"n_kv_head={heads} is not divisible by the mesh's tensor axis ({tensor}) at {path}: "
+                             f"choose n_kv_head a multiple of mesh.tensor, or a mesh.tensor that divides it")
+    return fit_spec(spec, shape, mesh)
+
+
 def tree_shardings(tree, mesh: Mesh):
     """A NamedSharding for every leaf of a (params, optimizer state, …) pytree of shapes."""
     def sharding(path, leaf):
-        shape = getattr(leaf, "shape", ())
-        return NamedSharding(mesh, fit_spec(spec_for(_path_string(path), shape), shape, mesh))
+        return NamedSharding(mesh, leaf_spec(_path_string(path), getattr(leaf, "shape", ()), mesh))
 
     return jax.tree_util.tree_map_with_path(sharding, tree)
 

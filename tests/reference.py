@@ -61,8 +61,10 @@ def activation(name, h):
         "gelu": lambda: gelu_tanh(h),
         "gelu_exact": lambda: gelu_exact(h),
         "relu": lambda: np.maximum(h, 0),
+        "silu": lambda: silu(h),
         "swiglu": lambda: silu(a) * b,
         "geglu": lambda: gelu_tanh(a) * b,
+        "glu": lambda: b / (1 + np.exp(-a)),
     }[name]()
 
 
@@ -112,11 +114,24 @@ def gpt_forward(cfg, params, tokens):
         y = np.tensordot(x, q["kernel"], axes=1)
         return y + q["bias"] if "bias" in q else y
 
+    def project(x, q):
+        """Q (B,T,H,D), and K, V with each query head h given key/value head ⌊h/g⌋, g = H/H_kv."""
+        if "c_attn" in q:
+            qkv = np.einsum("btd,dchk->cbthk", x, q["c_attn"]["kernel"])
+            if "bias" in q["c_attn"]:
+                qkv = qkv + q["c_attn"]["bias"][:, None, None]
+            return qkv
+        qh = np.einsum("btd,dhk->bthk", x, q["q_proj"]["kernel"])
+        kv = np.einsum("btd,dchk->cbthk", x, q["kv_proj"]["kernel"])
+        if "bias" in q["q_proj"]:
+            qh, kv = qh + q["q_proj"]["bias"], kv + q["kv_proj"]["bias"][:, None, None]
+        group = H // cfg.n_kv_head
+        kh = np.stack([kv[0][:, :, h // group] for h in range(H)], axis=2)
+        vh = np.stack([kv[1][:, :, h // group] for h in range(H)], axis=2)
+        return qh, kh, vh
+
     def mha(x, q):
-        qkv = np.einsum("btd,dchk->cbthk", x, q["c_attn"]["kernel"])
-        if "bias" in q["c_attn"]:
-            qkv = qkv + q["c_attn"]["bias"][:, None, None]
-        qh, kh, vh = qkv
+        qh, kh, vh = project(x, q)
         if cfg.positions == "rope":
             qh, kh = rope(qh, positions, cfg.rope_base), rope(kh, positions, cfg.rope_base)
         mask = np.tril(np.ones((T, T), bool))
@@ -129,7 +144,10 @@ def gpt_forward(cfg, params, tokens):
         return out + q["c_proj"]["bias"] if "bias" in q["c_proj"] else out
 
     def ffn(x, q):
-        return dense(activation(cfg.activation, dense(x, q["c_fc"])), q["c_proj"])
+        h = activation(cfg.activation, dense(x, q["c_fc"]))
+        for i in range(2, cfg.ffn_layers + 1):
+            h = activation(cfg.activation, dense(h, q[f"c_fc_{i}"]))
+        return dense(h, q["c_proj"])
 
     E = p["wte"]["embedding"]
     x = E[tokens]
@@ -150,7 +168,7 @@ def gpt_forward(cfg, params, tokens):
             x = norm(y + ffn(y, q["mlp"]), q["ln_2"])
     x = norm(x, p["ln_f"])
     W_U = E.T if cfg.tie_embeddings else p["lm_head"]["kernel"]
-    return x @ W_U
+    return x @ W_U + p["logits_bias"] if cfg.logits_bias else x @ W_U
 
 
 def _to_float64(tree):

@@ -169,6 +169,8 @@ SAVE_REFUSED = {
     "post-norm": (dict(norm_position="post"), "norm_position='post'"),
     "parallel": (dict(parallel_block=True), "parallel_block=True"),
     "swiglu": (dict(activation="swiglu"), "activation='swiglu'"),
+    "gqa": (dict(n_kv_head=1), "n_kv_head, head_dim, logits_bias, ffn_layers"),
+    "logits bias": (dict(logits_bias=True), "n_kv_head, head_dim, logits_bias, ffn_layers"),
 }
 
 

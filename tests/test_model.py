@@ -22,6 +22,18 @@ VARIANTS = [
     {"activation": "swiglu", "d_ff": 24},
     {"activation": "geglu"},
     {"tie_embeddings": False},
+    # issue #19's variants (tests/test_variants.py has their own invariants)
+    {"n_head": 4, "n_kv_head": 2},
+    {"n_head": 4, "n_kv_head": 1, "positions": "rope"},
+    {"n_head": 4, "n_kv_head": 2, "positions": "alibi", "bias": False},
+    {"head_dim": 12},
+    {"head_dim": 6, "positions": "rope", "n_head": 4, "n_kv_head": 2},
+    {"logits_bias": True},
+    {"logits_bias": True, "tie_embeddings": False},
+    {"activation": "silu"},
+    {"activation": "glu"},
+    {"ffn_layers": 3},
+    {"ffn_layers": 2, "activation": "relu", "bias": False, "d_ff": 12},
 ]
 
 
@@ -187,13 +199,21 @@ def count(tree):
     return sum(leaf.size for leaf in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_exact", "relu", "swiglu", "geglu"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_exact", "relu", "swiglu", "geglu", "silu", "glu"])
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_param_count_closed_form_equals_pytree(activation, norm):
     for tie, bias, positions, parallel in [(True, True, "learned", False), (False, False, "rope", True),
                                            (True, False, "sinusoidal", False), (False, True, "alibi", True)]:
         cfg = tiny(activation=activation, norm=norm, tie_embeddings=tie, bias=bias, positions=positions,
                    parallel_block=parallel, d_ff=20)
+        shapes = jax.eval_shape(lambda cfg=cfg: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+        assert param_count(cfg) == count(shapes["params"]), cfg
+    for changes in [{"n_head": 4, "n_kv_head": 2}, {"n_head": 4, "n_kv_head": 1, "bias": False}, {"head_dim": 12},
+                    {"head_dim": 6, "n_head": 4, "n_kv_head": 2}, {"logits_bias": True}, {"ffn_layers": 3},
+                    {"ffn_layers": 2, "bias": False, "logits_bias": True, "tie_embeddings": False}]:
+        if activation in ("swiglu", "geglu", "glu") and "ffn_layers" in changes:
+            continue  # refused: a deep FFN needs an ungated activation
+        cfg = tiny(activation=activation, norm=norm, d_ff=20, **changes)
         shapes = jax.eval_shape(lambda cfg=cfg: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
         assert param_count(cfg) == count(shapes["params"]), cfg
 

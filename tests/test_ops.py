@@ -83,8 +83,10 @@ def test_rms_norm(rng, shape):
 def test_activations(rng, shape):
     x = rng.standard_normal(shape) * 3
     a, b = x[..., : shape[-1] // 2], x[..., shape[-1] // 2:]
-    gated = {} if shape[-1] % 2 else {"swiglu": ref.silu(a) * b, "geglu": ref.gelu_tanh(a) * b}
-    want = {"gelu": ref.gelu_tanh(x), "gelu_exact": ref.gelu_exact(x), "relu": np.maximum(x, 0), **gated}
+    gated = {} if shape[-1] % 2 else {"swiglu": ref.silu(a) * b, "geglu": ref.gelu_tanh(a) * b,
+                                      "glu": b / (1 + np.exp(-a))}
+    want = {"gelu": ref.gelu_tanh(x), "gelu_exact": ref.gelu_exact(x), "relu": np.maximum(x, 0),
+            "silu": x / (1 + np.exp(-x)), **gated}
     for name, expected in want.items():
         got = np.asarray(ops.ACTIVATIONS[name](jnp.asarray(x, jnp.float32)))
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -33,6 +33,9 @@ MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
 def head_matrices(params, cfg: GPTConfig, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(W_QK, W_OV) of every head of `layer`, each (H, d, d)."""
     attn = params[f"h_{layer}"]["attn"]
+    if "c_attn" not in attn:
+        raise ValueError("circuits read per-head W_Q, W_K, W_V from c_attn: a model with n_kv_head < n_head (grouped-"
+                         "query attention) has none; analyse a model with n_kv_head == n_head")
     qkv = np.asarray(attn["c_attn"]["kernel"], np.float64)  # (d, 3, H, D)
     w_o = np.asarray(attn["c_proj"]["kernel"], np.float64)  # (H, D, d)
     w_q, w_k, w_v = (np.moveaxis(qkv[:, i], 1, 0) for i in range(3))  # each (H, d, D)
