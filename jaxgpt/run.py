@@ -196,7 +196,7 @@ def _check_same_run(directory: Path, cfg: GPTConfig, tokenizer: tokenizers.Token
     saved_path = directory / CONFIG_FILE
     if saved_path.exists():
         saved_model = json.loads(saved_path.read_text()).get("model")
-        if saved_model != cfg.to_dict():
+        if _saved_model(saved_model) != cfg:  # fields added since the run began take their defaults
             raise TrainingError(f"{directory} holds a run of another model ({saved_model}); resume it with its own "
                                 "config or choose another --config.run_dir")
     pinned_path = directory / TOKENIZER_FILE
@@ -205,6 +205,13 @@ def _check_same_run(directory: Path, cfg: GPTConfig, tokenizer: tokenizers.Token
                             f"were trained with: resume with the run's own data, or set --config.data.tokenizer="
                             f"{pinned_path} to read new data with the run's tokenizer, or choose another "
                             "--config.run_dir")
+
+
+def _saved_model(values) -> GPTConfig | None:
+    try:
+        return GPTConfig.from_dict(values)
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
