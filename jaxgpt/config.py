@@ -442,6 +442,9 @@ def default_config() -> ConfigDict:
         # start from another model: 'hf:PATH' (a GPT-2 checkpoint, jaxgpt.convert) or a jaxgpt run directory
         "init_from": config_dict.placeholder(str),
         "run_dir": config_dict.placeholder(str),  # None: runs/<config file name>
+        # compiled programs kept between runs (jaxgpt.sharding.use_compilation_cache): 'auto'
+        # (~/.cache/jaxgpt/xla, or $JAX_COMPILATION_CACHE_DIR), 'off', or a directory
+        "compilation_cache": "auto",
         "resume": "auto",  # auto | never | must
     })
 

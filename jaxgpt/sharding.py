@@ -171,7 +171,33 @@ def start_jax(config) -> None:
     dist = config.distributed
     processes = int(dist.num_processes or os.environ.get("JAX_NUM_PROCESSES") or 1)
     use_cpu_cores(config.mesh, [config.train.batch_size, config.train.eval_batch_size], processes)
+    use_compilation_cache(config.compilation_cache)
     initialize_distributed(dist)
+
+
+def compilation_cache_dir(setting: str, environ=os.environ) -> str | None:
+    """Where compiled XLA programs are kept between runs: `setting` 'auto' means
+    $JAX_COMPILATION_CACHE_DIR when set, else $XDG_CACHE_HOME/jaxgpt/xla (~/.cache/jaxgpt/xla);
+    'off' (or '') none; anything else is the directory itself."""
+    if setting in ("off", ""):
+        return None
+    if setting != "auto":
+        return os.path.expanduser(setting)
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return environ["JAX_COMPILATION_CACHE_DIR"]
+    return os.path.join(os.path.expanduser(environ.get("XDG_CACHE_HOME") or "~/.cache"), "jaxgpt", "xla")
+
+
+def use_compilation_cache(setting: str) -> str | None:
+    """JAX's persistent compilation cache in compilation_cache_dir(setting), every program
+    kept however fast it compiled: a run repeated on this machine loads its programs instead
+    of compiling them. Returns the directory, or None when the setting is off."""
+    directory = compilation_cache_dir(setting)
+    if directory is not None:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
 
 
 def initialize_distributed(dist_cfg) -> None:

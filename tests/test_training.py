@@ -71,3 +71,41 @@ def test_cpu_devices_one_per_core_as_many_as_divide_the_batches():
         sharding.use_cpu_cores({**MESH, "cpu_devices": 3}, [12])
     with pytest.raises(ValueError, match="mesh.cpu_devices=-3: use a device count, 0"):
         sharding.use_cpu_cores({**MESH, "cpu_devices": -3}, [12])
+
+
+def test_compilation_cache_directory_follows_the_setting_and_the_environment(tmp_path):
+    from jaxgpt.sharding import compilation_cache_dir
+
+    assert compilation_cache_dir("off", {}) is None and compilation_cache_dir("", {}) is None
+    assert compilation_cache_dir(str(tmp_path), {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}) == str(tmp_path)
+    assert compilation_cache_dir("auto", {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}) == "/elsewhere"
+    assert compilation_cache_dir("auto", {"XDG_CACHE_HOME": str(tmp_path)}) == str(tmp_path / "jaxgpt" / "xla")
+
+
+def test_a_repeated_run_loads_its_programs_from_the_compilation_cache(tmp_path):
+    """The second identical run compiles nothing: every program comes from the cache the first
+    wrote (the files JAX keeps there: the second run neither adds one nor rewrites one)."""
+    root = Path(__file__).resolve().parent.parent
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the king speaks to the queen. " * 200)
+    cache = tmp_path / "xla"
+    args = [sys.executable, str(root / "train.py"), f"--config.data.source={corpus}", "--config.data.tokenizer=char",
+            f"--config.data.cache_dir={tmp_path / 'data'}", "--config.model.n_layer=1", "--config.model.d_model=16",
+            "--config.model.n_head=2", "--config.model.block_size=16", "--config.train.steps=2",
+            "--config.train.warmup_steps=1", "--config.train.batch_size=4", "--config.train.eval_batch_size=4",
+            "--config.train.eval_max_batches=1", "--config.sample.max_new_tokens=4", "--config.sample.prompt=the",
+            "--config.mesh.cpu_devices=1",
+            f"--config.compilation_cache={cache}"]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    first = subprocess.run([*args, f"--config.run_dir={tmp_path / 'a'}"], capture_output=True, text=True, env=env,
+                           timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    def programs():  # each compiled program's file and when it was written (not the access-time files)
+        return {p.name: p.stat().st_mtime_ns for p in cache.iterdir() if "atime" not in p.name}
+
+    written = programs()
+    assert len(written) >= 3  # init, train step, eval step, sampling…
+    second = subprocess.run([*args, f"--config.run_dir={tmp_path / 'b'}"], capture_output=True, text=True, env=env,
+                            timeout=240)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert programs() == written  # nothing compiled anew, nothing rewritten
