@@ -447,23 +447,23 @@ def resolve_init_from(config) -> tuple[Any, tokenizers.Tokenizer | None]:
 
 
 def init_params_from(spec: str, cfg: GPTConfig, shardings=None) -> dict:
-    """The params that a run of `cfg` starts from: those of the checkpoint of `spec`
-    ('hf:PATH'), its position table cropped to cfg.block_size, in cfg's param_dtype, and
-    placed with `shardings` (a params-shaped tree of shardings) when given. ValueError when
-    cfg's architecture is not the checkpoint's (resolve_init_from makes it so)."""
+    """The params that a run of `cfg` starts from: those of the checkpoint of `spec` ('hf:PATH'), by fit_params."""
     directory = init_from_path(spec)
-    checkpoint_cfg, params = load_hf_gpt2(directory)
-    different = [f"{name}={getattr(cfg, name)!r} (checkpoint: {getattr(checkpoint_cfg, name)!r})"
-                 for name in checkpoint_cfg.to_dict() if name not in RUN_FIELDS
-                 and getattr(cfg, name) != getattr(checkpoint_cfg, name)]
+    return fit_params(*load_hf_gpt2(directory), cfg, shardings, f"the checkpoint {directory}")
+
+
+def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, shardings, source: str) -> dict:
+    """A source model's params for a run of `cfg`: the same architecture or ValueError, cropped to cfg.block_size,
+    in cfg.param_dtype, placed by `shardings` when given (each process makes its shards: any number of hosts)."""
+    different = [f"{n}={getattr(cfg, n)!r} (checkpoint: {getattr(source_cfg, n)!r})" for n in source_cfg.to_dict()
+                 if n not in RUN_FIELDS and getattr(cfg, n) != getattr(source_cfg, n)]
     if different:
-        raise ValueError(f"the model config does not match the checkpoint {directory}: {', '.join(different)}; "
-                         "leave the architecture to the checkpoint")
-    _, params = crop_block_size(checkpoint_cfg, params, cfg.block_size)
+        raise ValueError(f"the model config does not match {source}: {', '.join(different)}; leave the architecture "
+                         "to the checkpoint")
+    _, params = crop_block_size(source_cfg, jax.device_get(params), cfg.block_size)
     params = jax.tree.map(lambda x: x.astype(cfg.params_dtype), params)
     if shardings is None:
         return params
-    # Each process builds its own shards from the whole array, so this works across hosts too.
     return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
                         params, shardings)
 

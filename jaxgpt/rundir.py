@@ -104,14 +104,4 @@ def init_params_from(spec: str, cfg: GPTConfig, shardings=None) -> dict:
     if str(spec).startswith(convert.INIT_FROM_SCHEME):
         return convert.init_params_from(spec, cfg, shardings)
     params, source_cfg, _ = load_run(Path(spec).expanduser())
-    different = [f"{name}={getattr(cfg, name)!r} (source: {getattr(source_cfg, name)!r})"
-                 for name in source_cfg.to_dict() if name not in convert.RUN_FIELDS
-                 and getattr(cfg, name) != getattr(source_cfg, name)]
-    if different:
-        raise ValueError(f"the model config does not match the run {spec}: {', '.join(different)}; leave the "
-                         "architecture to init_from")
-    _, params = convert.crop_block_size(source_cfg, params, cfg.block_size)
-    params = jax.tree.map(lambda x: jnp.asarray(x, cfg.params_dtype), params)
-    if shardings is None:
-        return params
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), params, shardings)
+    return convert.fit_params(source_cfg, params, cfg, shardings, f"the run {spec}")
