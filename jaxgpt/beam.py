@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import GPTConfig, is_int, is_number
-from jaxgpt.decoding import next_logits, prompt_batch, start_cache
+from jaxgpt.decoding import check_reach, next_logits, prompt_batch, start_cache
 from jaxgpt.model import KVCache
 
 
@@ -150,6 +150,7 @@ def beam_search(params, config: GPTConfig, prompt, *, num_beams: int, max_new_to
     if eos_id is not None and (not is_int(eos_id) or not 0 <= eos_id < config.vocab_size):
         raise ValueError(f"eos_id must be a token id in 0…{config.vocab_size - 1}, got {eos_id!r}")
     prompts, prompt_lengths, longest = prompt_batch(config, [prompt], None, 0)
+    check_reach(config, prompts, longest, max_new_tokens)
     result = _beam_search_program(params, prompts[0], prompt_lengths[0], jnp.int32(-1 if eos_id is None else eos_id),
                                   jnp.float32(length_penalty), config=config, num_beams=num_beams,
                                   max_new_tokens=max_new_tokens)

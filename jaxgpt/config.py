@@ -34,7 +34,8 @@ NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu", "silu", "glu")
 GATED = ("swiglu", "geglu", "glu")
 INITS = ("gpt2", "he", "small")
-ATTENTIONS = ("explicit", "blocked", "xla", "cudnn")
+ATTENTIONS = ("explicit", "blocked", "xla", "cudnn", "linear")
+LINEAR_FEATURES = ("elu+1", "relu")  # φ of attention="linear"
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 RESUME = ("auto", "never", "must")
 
@@ -63,7 +64,8 @@ class GPTConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     # explicit = ops.attention; blocked = the same in query blocks of 64 that skip the keys the
-    # causal mask hides (training and prefill); xla / cudnn = jax.nn.dot_product_attention
+    # causal mask hides (training and prefill); xla / cudnn = jax.nn.dot_product_attention;
+    # linear = ops.linear_attention, φ(q)ᵀS/(φ(q)ᵀz) with the feature map linear_feature
     attention: str = "explicit"
     remat: bool = False  # recompute attention and elementwise ops in the backward pass: less memory
     n_kv_head: int | None = None  # key/value heads, each shared by n_head/n_kv_head query heads; None = n_head
@@ -72,6 +74,7 @@ class GPTConfig:
     ffn_layers: int = 1  # hidden layers of the FFN: d → d_ff → … → d_ff → d
     ffn_dropout: float = 0.0  # dropout on the FFN's hidden activations
     init: str = "gpt2"  # "gpt2" | "he" | "small": the weights' initial distributions (model.kernel_std)
+    linear_feature: str = "elu+1"  # φ of attention="linear": "elu+1" | "relu"
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -97,6 +100,9 @@ class GPTConfig:
                 f"GPTConfig.positions='rope' needs an even head size, but head_dim = {self.head_dim}: "
                 f"choose an even head_dim (or d_model and n_head so that d_model/n_head is even)"
             )
+        if self.attention == "linear" and self.positions == "alibi":
+            raise ValueError("GPTConfig.attention='linear' with positions='alibi': ALiBi is a bias on softmax "
+                             "scores, which linear attention has none of; use positions='rope' or 'none'")
         if self.ffn_layers > 1 and self.activation in GATED:
             raise ValueError(f"GPTConfig.ffn_layers={self.ffn_layers} with the gated activation "
                              f"{self.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
@@ -117,6 +123,7 @@ class GPTConfig:
             ("dtype", DTYPES),
             ("param_dtype", DTYPES),
             ("init", INITS),
+            ("linear_feature", LINEAR_FEATURES),
         ):
             value = getattr(self, name)
             if value not in valid:

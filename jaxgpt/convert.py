@@ -19,14 +19,12 @@ D = d/H, f = n_inner or 4d, V = vocab_size; names may carry the prefix "transfor
     h.i.mlp.c_proj.weight   (f, d)            h_i/mlp/c_proj/kernel    (f, d)
     lm_head.weight          (V, d)            lm_head/kernel           (d, V)  (untied only)
 
-GPT-2's Conv1D stores its weight input-major, (in, out), and computes x W + b: already the
-layout of a Flax kernel, so nothing is transposed. The fused c_attn's 3d outputs are
-[q | k | v], each head after head, so a reshape gives (3, H, D); c_proj's d inputs are the
-heads side by side, so a reshape gives (H, D, d). lm_head is a torch Linear, (out, in), so
-it is transposed; when the embeddings are tied it is not stored, or is a copy of wte (one
-that differs is refused: transformers versions disagree on which counts). The attention's
-causal-mask buffers (h.i.attn.bias, .masked_bias) that old checkpoints carry are not
-parameters and are skipped.
+GPT-2's Conv1D stores its weight input-major, (in, out), and computes x W + b: already the layout of a Flax
+kernel, so nothing is transposed. The fused c_attn's 3d outputs are [q | k | v], each head after head, so a
+reshape gives (3, H, D); c_proj's d inputs are the heads side by side, so a reshape gives (H, D, d). lm_head
+is a torch Linear, (out, in), so it is transposed; when the embeddings are tied it is not stored, or is a copy
+of wte (one that differs is refused: transformers versions disagree on which counts). The attention's causal-
+mask buffers (h.i.attn.bias, .masked_bias) that old checkpoints carry are not parameters and are skipped.
 
 The configuration: n_positions → block_size, n_inner → d_ff (None: 4·n_embd),
 layer_norm_epsilon → norm_eps, tie_word_embeddings → tie_embeddings, resid_pdrop →
@@ -198,6 +196,7 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
         (cfg.parallel_block, "parallel_block=True: GPT-2's attention and FFN are sequential"),
         (cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model or cfg.logits_bias
          or cfg.ffn_layers > 1, "n_kv_head, head_dim, logits_bias, ffn_layers: GPT-2 has only the defaults"),
+        (cfg.attention == "linear", "attention='linear': GPT-2's attention is softmax"),
         (cfg.activation not in ACTIVATIONS_TO_HF, f"activation={cfg.activation!r}: GPT-2's FFN uses one of "
                                                  f"{', '.join(ACTIVATIONS_TO_HF)}"),
     ]

@@ -25,6 +25,14 @@ What a new token costs:
 - When generation can go past the context at all (prompt bucket + max_new_tokens >
   block_size), that window pass is also the prefill: one compiled pass fewer, for a first
   token that costs what each token past the context costs.
+
+With attention='linear' the cache is the recurrent state (S, z) of every layer, the same
+size at any length, and nothing is cropped: the model reads the whole sequence, and every
+new token costs one position, before the context's end and past it. Past it needs
+positions that exist there: 'rope' or 'none' (learned and sinusoidal tables end at
+block_size; that is refused). The padded prompts are prefilled in one parallel pass that
+absorbs each row's tokens before its last (LinearCache.limit); each step then absorbs the
+newest token.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT, KVCache, init_cache
+from jaxgpt.model import GPT, NO_LIMIT, KVCache, LinearCache, init_cache
 
 # --- the model's next-token logits: from the cache, or by recomputing the cropped context ----
 
@@ -61,7 +69,8 @@ def _cached_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths):
     """Next-token logits (B, V) by feeding each row's newest token at its position: the cache
     holds the ones before it (and perhaps it too: writing it again changes nothing). Rows
     that stopped growing are clamped inside the cache (their output is not used)."""
-    cache = cache.replace(index=jnp.minimum(lengths - 1, cache.max_length - 1))
+    last = lengths - 1 if isinstance(cache, LinearCache) else jnp.minimum(lengths - 1, cache.max_length - 1)
+    cache = cache.replace(index=last)
     logits, cache = GPT(cfg).apply({"params": params}, _last_tokens(tokens, lengths), cache)
     return logits[:, 0], cache
 
@@ -73,9 +82,19 @@ def start_cache(params, cfg: GPTConfig, tokens, lengths, prompt_width: int) -> K
     and the first `next_logits`, a pass over the context windows, fills it (one compiled
     pass fewer; that first step costs one window pass, as does every step past the context)."""
     width = tokens.shape[1]
+    if cfg.attention == "linear":
+        return _linear_prefill(params, cfg, tokens, lengths, prompt_width)
     if width > cfg.block_size:
         return init_cache(cfg, tokens.shape[0], cfg.block_size)
     return _recomputed_logits(params, cfg, tokens, lengths, prompt_width, width)[1]
+
+
+def _linear_prefill(params, cfg: GPTConfig, tokens, lengths, prompt_width: int) -> LinearCache:
+    """attention='linear': the state after each row's prompt tokens but its last (the first
+    step feeds that one), from one parallel pass over the padded prompts."""
+    cache = init_cache(cfg, tokens.shape[0]).replace(limit=lengths - 1)
+    _, cache = GPT(cfg).apply({"params": params}, tokens[:, :prompt_width], cache)
+    return cache.replace(limit=jnp.full_like(lengths, NO_LIMIT))
 
 
 def next_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths, active, step):
@@ -84,7 +103,9 @@ def next_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths, active,
     row fits in the context and the cache is filled, else by one pass over each row's
     cropped context, which refills the cache."""
     from_cache = lambda: _cached_logits(params, cfg, cache, tokens, lengths)  # noqa: E731
-    if tokens.shape[1] <= cfg.block_size:  # every sequence fits, and start_cache prefilled the prompts
+    # linear attention's state goes on at any length; otherwise every sequence fits, and
+    # start_cache prefilled the prompts
+    if cfg.attention == "linear" or tokens.shape[1] <= cfg.block_size:
         return from_cache()
     fits = (step > 0) & jnp.all(~active | (lengths <= cfg.block_size))
     window = cfg.block_size
@@ -145,6 +166,18 @@ def _array_batch(config: GPTConfig, prompts, prompt_lengths):
         if not np.all((1 <= np.asarray(lengths)) & (np.asarray(lengths) <= width)):
             raise ValueError(f"prompt_lengths must be in 1…{width} (the prompts' width), got {lengths}")
     return jnp.asarray(prompts, jnp.int32), lengths.astype(jnp.int32), None
+
+
+def check_reach(config: GPTConfig, prompts, longest: int | None, max_new_tokens: int) -> None:
+    """ValueError when attention='linear' would go past the context with positions that end
+    there (learned, sinusoidal): the recurrent state could, the position table cannot."""
+    if config.attention != "linear" or config.positions in ("rope", "none"):
+        return
+    reach = (prompts.shape[1] if longest is None else longest) + max_new_tokens
+    if reach > config.block_size:
+        raise ValueError(f"attention='linear' with positions={config.positions!r} has positions only up to "
+                         f"block_size={config.block_size}, but this generation reaches {reach} tokens: shorten "
+                         f"the prompt or max_new_tokens, or train with positions='rope' or 'none'")
 
 
 def _check_ids(config: GPTConfig, ids: np.ndarray) -> None:

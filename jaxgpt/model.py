@@ -76,9 +76,50 @@ class KVCache:
     def max_length(self) -> int:
         return self.keys[0].shape[1]
 
+    def layer(self, layer: int, positions):
+        """What layer `layer`'s attention reads and extends: (keys, values, index)."""
+        del positions  # the slots say where each key is
+        return self.keys[layer], self.values[layer], self.index
 
-def init_cache(cfg: GPTConfig, batch_size: int, max_length: int | None = None, dtype=None) -> KVCache:
-    """An empty cache for `batch_size` rows of up to `max_length` (default block_size) positions."""
+    def with_layers(self, layers: list, length: int) -> KVCache:
+        """The cache after the layers wrote `length` new slots per row."""
+        return self.replace(keys=tuple(k for k, _ in layers), values=tuple(v for _, v in layers),
+                            index=self.index + length)
+
+
+@flax.struct.dataclass
+class LinearCache:
+    """attention='linear': the recurrent state of every layer, whose size does not grow with
+    the sequence. S[l] (B, H_kv, D, D) = Σ_s φ(k_s) v_sᵀ and z[l] (B, H_kv, D) = Σ_s φ(k_s) over
+    the tokens absorbed so far, in float32. index (B,): the position of the next token.
+    limit (B,): tokens at positions ≥ limit are read but not absorbed, which is what a padded
+    prefill needs (decoding sets it to each prompt's length − 1, then lifts it)."""
+
+    S: tuple
+    z: tuple
+    index: jax.Array
+    limit: jax.Array
+
+    def layer(self, layer: int, positions):
+        """What layer `layer`'s attention reads and extends: (S, z, which new tokens to absorb)."""
+        return self.S[layer], self.z[layer], positions < self.limit[:, None]
+
+    def with_layers(self, layers: list, length: int) -> LinearCache:
+        return self.replace(S=tuple(S for S, _ in layers), z=tuple(z for _, z in layers), index=self.index + length)
+
+
+NO_LIMIT = jnp.iinfo(jnp.int32).max
+
+
+def init_cache(cfg: GPTConfig, batch_size: int, max_length: int | None = None, dtype=None) -> KVCache | LinearCache:
+    """An empty cache for `batch_size` rows of up to `max_length` (default block_size) positions;
+    with attention='linear', the zero state (any length: max_length and dtype are not used)."""
+    if cfg.attention == "linear":
+        S = tuple(jnp.zeros((batch_size, cfg.n_kv_head, cfg.head_dim, cfg.head_dim), jnp.float32)
+                  for _ in range(cfg.n_layer))
+        z = tuple(jnp.zeros((batch_size, cfg.n_kv_head, cfg.head_dim), jnp.float32) for _ in range(cfg.n_layer))
+        return LinearCache(S=S, z=z, index=jnp.zeros((batch_size,), jnp.int32),
+                           limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32))
     max_length = cfg.block_size if max_length is None else max_length
     if not 0 < max_length <= cfg.block_size:
         raise ValueError(f"init_cache: max_length={max_length} must be in 1…block_size={cfg.block_size}")
@@ -220,6 +261,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.project(x)
         if cfg.positions == "rope":
             q, k = ops.rope(q, where.q_positions, cfg.rope_base), ops.rope(k, where.q_positions, cfg.rope_base)
+        if cfg.attention == "linear":
+            context, layer_cache = linear_context(cfg, q, k, v, where, layer_cache)
+            out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")(context)
+            return out, layer_cache
         if layer_cache is not None:  # the new keys join those of the earlier positions
             cache_keys, cache_values, index = layer_cache
             k, v = write_rows(cache_keys, k, index), write_rows(cache_values, v, index)
@@ -254,6 +299,22 @@ class CausalSelfAttention(nn.Module):
             )
         out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")(context)
         return out, layer_cache
+
+
+def linear_context(cfg: GPTConfig, q, k, v, where: Where, layer_cache=None):
+    """attention='linear': ops.linear_attention of φ(Q), φ(K), V (φ = cfg.linear_feature). With
+    a layer cache (S, z, absorb) the tokens also read the state of the earlier ones, and the
+    ones marked absorb join it: one token at a time, this is the recurrent form
+    S_t = S_{t−1} + φ(k_t) v_tᵀ, z_t = z_{t−1} + φ(k_t), out_t = φ(q_t)ᵀS_t / (φ(q_t)ᵀz_t + ε).
+    Returns the context (B, T, H, D) and the new (S, z) or None."""
+    phi = ops.FEATURE_MAPS[cfg.linear_feature]
+    fq, fk = phi(q), phi(k)
+    if layer_cache is None:
+        return ops.linear_attention(fq, fk, v, where.mask()), None
+    S, z, absorb = layer_cache
+    mask = where.mask() & absorb[:, None, None, :]
+    context = ops.linear_attention(fq, fk, v, mask, (S, z))
+    return context, ops.linear_attention_state(fk, v, absorb, (S, z))
 
 
 class MLP(nn.Module):
@@ -321,7 +382,7 @@ class GPT(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens, cache: KVCache | None = None, *, positions=None, segments=None,
+    def __call__(self, tokens, cache: KVCache | LinearCache | None = None, *, positions=None, segments=None,
                  deterministic: bool = True):
         cfg = self.cfg
         deterministic = deterministic or not self.has_rng("dropout")
@@ -330,6 +391,11 @@ class GPT(nn.Module):
             positions = jnp.arange(T)[None, :] if cache is None else cache.index[:, None] + jnp.arange(T)[None, :]
         if cache is None:
             where = Where(positions, positions, segments, segments)
+        elif isinstance(cache, LinearCache):  # the new tokens see each other causally, and the state
+            if segments is not None:
+                raise ValueError("attention='linear' decodes one sequence per row: segments cannot be "
+                                 "given with its cache")
+            where = Where(positions, positions)
         else:
             segments = jnp.zeros(tokens.shape, jnp.int32) if segments is None else segments
             cache = cache.replace(positions=write_rows(cache.positions, jnp.broadcast_to(positions, tokens.shape),
@@ -354,13 +420,11 @@ class GPT(nn.Module):
         # recomputes attention and the elementwise ops from them.
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                          static_argnums=(4,)) if cfg.remat else Block
-        new_keys, new_values = [], []
+        new_layers = []
         for layer in range(cfg.n_layer):
-            layer_cache = None if cache is None else (cache.keys[layer], cache.values[layer], cache.index)
+            layer_cache = None if cache is None else cache.layer(layer, positions)
             x, layer_cache = block(cfg, name=f"h_{layer}")(x, where, layer_cache, deterministic)
-            if cache is not None:
-                new_keys.append(layer_cache[0])
-                new_values.append(layer_cache[1])
+            new_layers.append(layer_cache)
 
         x = make_norm(cfg, "ln_f")(x)
         if cfg.tie_embeddings:  # W_U = Eᵀ
@@ -372,7 +436,7 @@ class GPT(nn.Module):
         logits = logits.astype(jnp.float32)
         if cache is None:
             return logits
-        return logits, cache.replace(keys=tuple(new_keys), values=tuple(new_values), index=cache.index + T)
+        return logits, cache.with_layers(new_layers, T)
 
 
 # --- sizes ----------------------------------------------------------------------------------

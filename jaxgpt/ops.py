@@ -89,6 +89,47 @@ def share_kv_heads(kv, n_head):
     return jnp.repeat(kv, n_head // kv.shape[-2], axis=-2)
 
 
+# --- linear attention ------------------------------------------------------------------
+
+LINEAR_EPS = 1e-6  # keeps φ(q)ᵀz + ε > 0: with φ = relu, φ(q)ᵀz can be exactly 0
+
+
+def elu_plus_one(x):
+    """φ(x) = elu(x) + 1 (> 0 everywhere)."""
+    return jax.nn.elu(x) + 1.0
+
+
+FEATURE_MAPS = {"elu+1": elu_plus_one, "relu": jax.nn.relu}
+
+
+def linear_attention(fq, fk, v, mask, state=None):
+    """Linear attention, the parallel causal form: for features fq = φ(Q) (B,T,H,D), fk = φ(K)
+    and v (B,S,H_kv,E), out_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + ε) with S_t = Σ_{s≤t} φ(k_s) v_sᵀ and
+    z_t = Σ_{s≤t} φ(k_s), computed as (A V) / (A 1 + ε), A = (φ(Q) φ(K)ᵀ) ⊙ M, 'BTHD,BSHD->BHTS'.
+
+    `state` = (S₀ (B,H_kv,D,E), z₀ (B,H_kv,D)) sums over earlier tokens (decoding): the numerator
+    gains φ(q_t)ᵀ S₀ and the denominator φ(q_t)ᵀ z₀. Sums are in float32."""
+    n_head = fq.shape[2]
+    fk, v = share_kv_heads(fk, n_head), share_kv_heads(v, n_head)
+    scores = jnp.einsum("BTHD,BSHD->BHTS", fq, fk, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores, 0.0)
+    numerator = jnp.einsum("BHTS,BSHE->BTHE", scores, v.astype(jnp.float32))
+    denominator = scores.sum(axis=-1).transpose(0, 2, 1)  # (B, T, H)
+    if state is not None:
+        S, z = (jnp.repeat(part, n_head // part.shape[1], axis=1) for part in state)
+        numerator = numerator + jnp.einsum("BTHD,BHDE->BTHE", fq.astype(jnp.float32), S)
+        denominator = denominator + jnp.einsum("BTHD,BHD->BTH", fq.astype(jnp.float32), z)
+    return (numerator / (denominator[..., None] + LINEAR_EPS)).astype(v.dtype)
+
+
+def linear_attention_state(fk, v, absorb, state):
+    """The state after the tokens with absorb (B,S) True: S' = S + Σ_s φ(k_s) v_sᵀ, z' = z + Σ_s φ(k_s),
+    for fk (B,S,H_kv,D), v (B,S,H_kv,E) and state (S (B,H_kv,D,E), z (B,H_kv,D)), in float32."""
+    fk = jnp.where(absorb[:, :, None, None], fk.astype(jnp.float32), 0.0)
+    S, z = state
+    return S + jnp.einsum("BSGD,BSGE->BGDE", fk, v.astype(jnp.float32)), z + fk.sum(axis=1)
+
+
 # --- normalisation ----------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import GPTConfig, is_int, is_number
-from jaxgpt.decoding import is_concrete, next_logits, prompt_batch, start_cache
+from jaxgpt.decoding import check_reach, is_concrete, next_logits, prompt_batch, start_cache
 from jaxgpt.model import KVCache
 
 # --- the sampling maths: pure functions of logits (V,) or (..., V) ---------------------------
@@ -325,6 +325,7 @@ def _prepare(config, prompts, key, prompt_lengths, options: SamplingOptions):
         raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
     options.check(config)
     prompts, prompt_lengths, longest = prompt_batch(config, prompts, prompt_lengths, options.pad_id)
+    check_reach(config, prompts, longest, options.max_new_tokens)
     _check_key(key, prompts.shape[0])
     row_keys = _row_keys(key, prompts.shape[0])  # so that one program serves one key and a key per row
     top_k = options.top_k

@@ -114,6 +114,9 @@ def explicit_forward(params, cfg: GPTConfig, tokens):
     """The model on tokens (1, T) with its attention in the explicit form, which sows the
     weights it computes (the fused 'xla'/'cudnn' kernels compute the same function without
     ever materialising them): (logits (1, T, V), {'h_l': attention weights (1, H, T, T)})."""
+    if cfg.attention == "linear":
+        raise ValueError("attention='linear' has no attention weights to draw (no softmax over the keys): "
+                         "draw a model with softmax attention")
     explicit = cfg.replace(attention="explicit", remat=False)
     logits, state = GPT(explicit).apply({"params": params}, tokens, mutable=["intermediates"])
     weights = {name: layer["attn"]["attention_weights"][0] for name, layer in state["intermediates"].items()}

@@ -92,6 +92,21 @@ def rope(x, positions, base=10000.0):
     return out
 
 
+def linear_attention_recurrent(q, k, v, feature, eps=1e-6):
+    """out_t = φ(q_t)ᵀS_t / (φ(q_t)ᵀz_t + ε), S_t = S_{t−1} + φ(k_t)v_tᵀ, z_t = z_{t−1} + φ(k_t), token
+    by token, for q, k, v (B, T, H, D) in float64."""
+    phi = (lambda x: np.where(x > 0, x + 1, np.exp(x))) if feature == "elu+1" else (lambda x: np.maximum(x, 0))
+    fq, fk = phi(q), phi(k)
+    B, T, H, D = q.shape
+    S, z = np.zeros((B, H, D, v.shape[-1])), np.zeros((B, H, D))
+    out = np.zeros((B, T, H, v.shape[-1]))
+    for t in range(T):
+        S = S + fk[:, t, :, :, None] * v[:, t, :, None, :]
+        z = z + fk[:, t]
+        out[:, t] = np.einsum("bhd,bhde->bhe", fq[:, t], S) / (np.einsum("bhd,bhd->bh", fq[:, t], z)[..., None] + eps)
+    return out
+
+
 def alibi_slopes(n_head):
     p = 2 ** int(math.floor(math.log2(n_head)))
     slopes = [2 ** (-8 * h / p) for h in range(1, p + 1)]
@@ -139,7 +154,10 @@ def gpt_forward(cfg, params, tokens):
         if cfg.positions == "alibi":
             i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
             bias = np.stack([-m * (i - j) for m in alibi_slopes(H)])[None]
-        ctx = attention(qh, kh, vh, mask, bias)
+        if cfg.attention == "linear":
+            ctx = linear_attention_recurrent(qh, kh, vh, cfg.linear_feature)
+        else:
+            ctx = attention(qh, kh, vh, mask, bias)
         out = np.einsum("bthk,hkd->btd", ctx, q["c_proj"]["kernel"])
         return out + q["c_proj"]["bias"] if "bias" in q["c_proj"] else out
 

@@ -34,6 +34,9 @@ VARIANTS = [
     {"activation": "glu"},
     {"ffn_layers": 3},
     {"ffn_layers": 2, "activation": "relu", "bias": False, "d_ff": 12},
+    {"attention": "linear"},
+    {"attention": "linear", "positions": "rope", "linear_feature": "relu", "n_head": 4, "n_kv_head": 2},
+    {"attention": "linear", "positions": "none", "head_dim": 6},
 ]
 
 
@@ -93,9 +96,12 @@ def test_variants_differ_from_default(changes):
     assert float(jnp.abs(a - b).max()) > 1e-4  # gelu_exact vs tanh gelu differ least: ~1e-3 here
 
 
-@pytest.mark.parametrize("positions", POSITIONS)
-def test_causality(positions):
-    cfg = tiny(positions=positions)
+CAUSAL = [{"positions": p} for p in POSITIONS] + [{"attention": "linear"}, {"attention": "linear", "positions": "rope"}]
+
+
+@pytest.mark.parametrize("changes", CAUSAL, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_causality(changes):
+    cfg = tiny(**changes)
     model, params = GPT(cfg), random_params(cfg)
     T, j = 10, 6
     x = tokens(cfg, 1, T)

@@ -28,6 +28,8 @@ CACHED = [
     {"logits_bias": True},
     {"ffn_layers": 3, "activation": "silu"},
     {"activation": "glu"},
+    {"attention": "linear"},
+    {"attention": "linear", "positions": "rope", "linear_feature": "relu", "n_head": 4, "n_kv_head": 2},
 ]
 
 
@@ -108,6 +110,8 @@ def test_head_dim_sets_the_attention_flops():
     (dict(ffn_dropout=1.0), r"ffn_dropout=1.0: must be in \[0, 1\)"),
     (dict(logits_bias=1), r"logits_bias=1: must be True or False"),
     (dict(init="xavier"), r"init='xavier': must be one of gpt2, he, small"),
+    (dict(attention="linear", positions="alibi"), r"attention='linear' with positions='alibi'"),
+    (dict(attention="linear", linear_feature="softmax"), r"linear_feature='softmax': must be one of elu\+1, relu"),
 ])
 def test_impossible_variants_raise(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -33,6 +33,9 @@ MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
 def head_matrices(params, cfg: GPTConfig, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(W_QK, W_OV) of every head of `layer`, each (H, d, d)."""
     attn = params[f"h_{layer}"]["attn"]
+    if cfg.attention == "linear":
+        raise ValueError("circuits read softmax attention's bilinear score qᵀk; attention='linear' scores "
+                         "φ(q)ᵀφ(k), which W_QK does not describe: analyse a model with softmax attention")
     if "c_attn" not in attn:
         raise ValueError("circuits read per-head W_Q, W_K, W_V from c_attn: a model with n_kv_head < n_head (grouped-"
                          "query attention) has none; analyse a model with n_kv_head == n_head")
