@@ -12,9 +12,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.caches import KVCache
 from jaxgpt.config import GPTConfig, is_int, is_number
 from jaxgpt.decoding import check_reach, next_logits, prompt_batch, start_cache
-from jaxgpt.model import KVCache
 
 
 @flax.struct.dataclass

@@ -39,7 +39,6 @@ dtype, and written as float32.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import os
@@ -57,13 +56,13 @@ from safetensors.numpy import save_file
 from jaxgpt import tokenizers
 from jaxgpt.config import GPTConfig
 from jaxgpt.files import write_atomically
+from jaxgpt.model import unstack_layers
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
-INIT_FROM_SCHEME = "hf:"
 
 # activation_function → GPTConfig.activation (the tanh approximation goes by three names) and back.
 ACTIVATIONS_FROM_HF = {
@@ -84,9 +83,6 @@ HF_DEFAULTS = {
 # Attention options of GPT2Config that change the function, with the value jaxgpt computes.
 HF_FIXED_OPTIONS = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                     "add_cross_attention": False}
-
-# What a run chooses for itself when it starts from a checkpoint; the checkpoint fixes the rest.
-RUN_FIELDS = ("block_size", "dropout", "dtype", "param_dtype", "attention")
 
 # Buffers that old checkpoints store next to the weights: the causal mask, not parameters.
 _MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(masked_)?bias")
@@ -230,13 +226,19 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
 # --- reading --------------------------------------------------------------------------------
 
 
+def load_hf_config(path: str | os.PathLike) -> GPTConfig:
+    """The GPTConfig of the Hugging Face GPT-2 directory `path` (its config.json), checked."""
+    directory = _checkpoint_dir(path)
+    return config_from_hf(_read_json(directory / CONFIG_FILE, "config"), str(directory / CONFIG_FILE))
+
+
 def load_hf_gpt2(path: str | os.PathLike) -> tuple[GPTConfig, dict]:
     """(config, params) of the Hugging Face GPT-2 directory `path`: config.json and
     model.safetensors (or its shards), read through safetensors' NumPy API. ValueError,
     saying what is wrong, for a directory that is not a GPT-2 checkpoint, a missing or
     damaged file, or tensors whose shapes do not match config.json."""
     directory = _checkpoint_dir(path)
-    cfg = config_from_hf(_read_json(directory / CONFIG_FILE, "config"), str(directory / CONFIG_FILE))
+    cfg = load_hf_config(directory)
     files = _tensor_files(directory)
     names = {_strip_prefix(name): (name, file) for file, file_names in files.items() for name in file_names}
     table = _tensor_table(cfg)
@@ -385,6 +387,7 @@ def save_hf_gpt2(path: str | os.PathLike, cfg: GPTConfig, params, tokenizer: tok
     hf_config = config_to_hf(cfg, tokenizer)
     if tokenizer is not None:
         check_gpt2_tokenizer(tokenizer, cfg)
+    params = unstack_layers(params)  # a scan_layers model's blocks are stacked
     tensors = {}
     for entry in _tensor_table(cfg):
         if entry.is_bias and not cfg.bias:
@@ -405,66 +408,7 @@ def save_hf_gpt2(path: str | os.PathLike, cfg: GPTConfig, params, tokenizer: tok
         tokenizer.save_gpt2(directory)
 
 
-# --- starting a run from a checkpoint ------------------------------------------------------
-
-
-def init_from_path(spec: str) -> Path:
-    """The checkpoint directory of an init_from spec, 'hf:PATH'."""
-    if not isinstance(spec, str) or not spec.startswith(INIT_FROM_SCHEME) or spec == INIT_FROM_SCHEME:
-        raise ValueError(f"init_from={spec!r}: give hf:PATH, PATH a Hugging Face GPT-2 directory")
-    return Path(spec[len(INIT_FROM_SCHEME):]).expanduser()
-
-
-def resolve_init_from(config) -> tuple[Any, tokenizers.Tokenizer | None]:
-    """A training config made to start from its init_from checkpoint ('hf:PATH'), and the
-    tokenizer to make its tokens with (None: the one data.tokenizer names). The caller's
-    config is left as it was.
-
-    The checkpoint fixes the architecture: every config.model field but RUN_FIELDS
-    (block_size, at most the checkpoint's n_positions; dropout; dtypes; attention) is
-    replaced by the checkpoint's. A data.tokenizer that names a kind to train (char, word,
-    bpe) gives way to the checkpoint's tokenizer; a tokenizer file given by path is kept (its
-    ids must be the checkpoint's)."""
-    directory = init_from_path(config.init_from)
-    checkpoint_cfg = config_from_hf(_read_json(_checkpoint_dir(directory) / CONFIG_FILE, "config"),
-                                    str(directory / CONFIG_FILE))
-    block_size = config.model.block_size
-    if block_size > checkpoint_cfg.block_size:
-        raise ValueError(f"model.block_size={block_size} is longer than the context of {directory} "
-                         f"(n_positions={checkpoint_cfg.block_size}): choose at most {checkpoint_cfg.block_size}")
-    config = copy.deepcopy(config)
-    for name, value in checkpoint_cfg.to_dict().items():
-        if name not in RUN_FIELDS:
-            config.model[name] = value
-    if config.data.tokenizer not in tokenizers.KINDS:
-        return config, None
-    tokenizer = load_hf_tokenizer(directory)
-    if tokenizer is None:
-        raise ValueError(f"{directory} has no {VOCAB_FILE} + {MERGES_FILE}: set data.tokenizer to the path of "
-                         "the tokenizer file whose ids this checkpoint uses")
-    return config, tokenizer
-
-
-def init_params_from(spec: str, cfg: GPTConfig, shardings=None) -> dict:
-    """The params that a run of `cfg` starts from: those of the checkpoint of `spec` ('hf:PATH'), by fit_params."""
-    directory = init_from_path(spec)
-    return fit_params(*load_hf_gpt2(directory), cfg, shardings, f"the checkpoint {directory}")
-
-
-def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, shardings, source: str) -> dict:
-    """A source model's params for a run of `cfg`: the same architecture or ValueError, cropped to cfg.block_size,
-    in cfg.param_dtype, placed by `shardings` when given (each process makes its shards: any number of hosts)."""
-    different = [f"{n}={getattr(cfg, n)!r} (checkpoint: {getattr(source_cfg, n)!r})" for n in source_cfg.to_dict()
-                 if n not in RUN_FIELDS and getattr(cfg, n) != getattr(source_cfg, n)]
-    if different:
-        raise ValueError(f"the model config does not match {source}: {', '.join(different)}; leave the architecture "
-                         "to the checkpoint")
-    _, params = crop_block_size(source_cfg, jax.device_get(params), cfg.block_size)
-    params = jax.tree.map(lambda x: x.astype(cfg.params_dtype), params)
-    if shardings is None:
-        return params
-    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
-                        params, shardings)
+# --- a shorter context ----------------------------------------------------------------------
 
 
 def crop_block_size(cfg: GPTConfig, params, block_size: int) -> tuple[GPTConfig, dict]:

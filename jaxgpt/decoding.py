@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.caches import NO_LIMIT, KVCache, LinearCache, init_cache
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT, NO_LIMIT, KVCache, LinearCache, init_cache
+from jaxgpt.model import GPT
 
 # --- the model's next-token logits: from the cache, or by recomputing the cropped context ----
 

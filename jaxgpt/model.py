@@ -12,14 +12,15 @@ Generation passes an explicit `KVCache` in and gets the updated one back.
 from __future__ import annotations
 
 import math
+import re
 from typing import NamedTuple
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from jaxgpt import ops
+from jaxgpt.caches import KVCache, LinearCache, write_rows
 from jaxgpt.config import GPTConfig
 
 INIT_STD = 0.02
@@ -49,95 +50,6 @@ def kernel_std(cfg: GPTConfig, fan_in: int, residual: bool = False) -> float:
 def embedding_std(cfg: GPTConfig) -> float:
     """The token and position tables: N(0, 0.02²) under gpt2 and he, N(0, 2/(5·d_model)) under small."""
     return math.sqrt(2 / (5 * cfg.d_model)) if cfg.init == "small" else INIT_STD
-
-
-# --- the KV cache ------------------------------------------------------------------------
-
-
-@flax.struct.dataclass
-class KVCache:
-    """Keys and values of every layer for positions already seen, and where each row is.
-
-    keys[l], values[l]: (B, L, H_kv, D), H_kv = n_kv_head. positions, segments: (B, L) the position and segment
-    (example) of the token in each slot; unless a call says otherwise, slot s holds position
-    s of segment 0. index: (B,) the number of slots written so far in each row: the next
-    tokens are written at index, index+1, … Setting index lower (e.g. to each prompt's true
-    length after a padded prefill) is allowed: slots at or past index are never attended to
-    before they are written again.
-    """
-
-    keys: tuple
-    values: tuple
-    index: jax.Array
-    positions: jax.Array
-    segments: jax.Array
-
-    @property
-    def max_length(self) -> int:
-        return self.keys[0].shape[1]
-
-    def layer(self, layer: int, positions):
-        """What layer `layer`'s attention reads and extends: (keys, values, index)."""
-        del positions  # the slots say where each key is
-        return self.keys[layer], self.values[layer], self.index
-
-    def with_layers(self, layers: list, length: int) -> KVCache:
-        """The cache after the layers wrote `length` new slots per row."""
-        return self.replace(keys=tuple(k for k, _ in layers), values=tuple(v for _, v in layers),
-                            index=self.index + length)
-
-
-@flax.struct.dataclass
-class LinearCache:
-    """attention='linear': the recurrent state of every layer, whose size does not grow with
-    the sequence. S[l] (B, H_kv, D, D) = Σ_s φ(k_s) v_sᵀ and z[l] (B, H_kv, D) = Σ_s φ(k_s) over
-    the tokens absorbed so far, in float32. index (B,): the position of the next token.
-    limit (B,): tokens at positions ≥ limit are read but not absorbed, which is what a padded
-    prefill needs (decoding sets it to each prompt's length − 1, then lifts it)."""
-
-    S: tuple
-    z: tuple
-    index: jax.Array
-    limit: jax.Array
-
-    def layer(self, layer: int, positions):
-        """What layer `layer`'s attention reads and extends: (S, z, which new tokens to absorb)."""
-        return self.S[layer], self.z[layer], positions < self.limit[:, None]
-
-    def with_layers(self, layers: list, length: int) -> LinearCache:
-        return self.replace(S=tuple(S for S, _ in layers), z=tuple(z for _, z in layers), index=self.index + length)
-
-
-NO_LIMIT = jnp.iinfo(jnp.int32).max
-
-
-def init_cache(cfg: GPTConfig, batch_size: int, max_length: int | None = None, dtype=None) -> KVCache | LinearCache:
-    """An empty cache for `batch_size` rows of up to `max_length` (default block_size) positions;
-    with attention='linear', the zero state (any length: max_length and dtype are not used)."""
-    if cfg.attention == "linear":
-        S = tuple(jnp.zeros((batch_size, cfg.n_kv_head, cfg.head_dim, cfg.head_dim), jnp.float32)
-                  for _ in range(cfg.n_layer))
-        z = tuple(jnp.zeros((batch_size, cfg.n_kv_head, cfg.head_dim), jnp.float32) for _ in range(cfg.n_layer))
-        return LinearCache(S=S, z=z, index=jnp.zeros((batch_size,), jnp.int32),
-                           limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32))
-    max_length = cfg.block_size if max_length is None else max_length
-    if not 0 < max_length <= cfg.block_size:
-        raise ValueError(f"init_cache: max_length={max_length} must be in 1…block_size={cfg.block_size}")
-    dtype = cfg.compute_dtype if dtype is None else dtype
-    shape = (batch_size, max_length, cfg.n_kv_head, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
-    slots = jnp.broadcast_to(jnp.arange(max_length, dtype=jnp.int32), (batch_size, max_length))
-    return KVCache(keys=zeros, values=zeros, index=jnp.zeros((batch_size,), jnp.int32), positions=slots,
-                   segments=jnp.zeros((batch_size, max_length), jnp.int32))
-
-
-def write_rows(cache_rows, new_rows, index):
-    """Write new_rows (B, T, …) into the slots index[b] … index[b]+T−1 of each row of cache_rows (B, L, …)."""
-    def write_row(cache_row, new_row, start):
-        start_at = (start,) + (0,) * (cache_row.ndim - 1)
-        return jax.lax.dynamic_update_slice(cache_row, new_row.astype(cache_row.dtype), start_at)
-
-    return jax.vmap(write_row)(cache_rows, new_rows, index)
 
 
 # --- modules ------------------------------------------------------------------------------
@@ -366,6 +278,24 @@ class Block(nn.Module):
         return ln_2(y + drop(ffn(y))), layer_cache
 
 
+def locate(tokens, cache, positions=None, segments=None):
+    """(positions (B, T), the Where of the blocks, the cache with the new tokens' positions and
+    segments written) for tokens (B, T): positions default to 0…T−1, after a cache cache.index…"""
+    T = tokens.shape[-1]
+    if positions is None:
+        positions = jnp.arange(T)[None, :] if cache is None else cache.index[:, None] + jnp.arange(T)[None, :]
+    if cache is None:
+        return positions, Where(positions, positions, segments, segments), cache
+    if isinstance(cache, LinearCache):  # the new tokens see each other causally, and the state
+        if segments is not None:
+            raise ValueError("attention='linear' decodes one sequence per row: segments cannot be given with its cache")
+        return positions, Where(positions, positions), cache
+    segments = jnp.zeros(tokens.shape, jnp.int32) if segments is None else segments
+    cache = cache.replace(positions=write_rows(cache.positions, jnp.broadcast_to(positions, tokens.shape), cache.index),
+                          segments=write_rows(cache.segments, segments, cache.index))
+    return positions, Where(positions, cache.positions, segments, cache.segments), cache
+
+
 class GPT(nn.Module):
     """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U (+ b_U with logits_bias).
 
@@ -387,21 +317,7 @@ class GPT(nn.Module):
         cfg = self.cfg
         deterministic = deterministic or not self.has_rng("dropout")
         T = tokens.shape[-1]
-        if positions is None:
-            positions = jnp.arange(T)[None, :] if cache is None else cache.index[:, None] + jnp.arange(T)[None, :]
-        if cache is None:
-            where = Where(positions, positions, segments, segments)
-        elif isinstance(cache, LinearCache):  # the new tokens see each other causally, and the state
-            if segments is not None:
-                raise ValueError("attention='linear' decodes one sequence per row: segments cannot be "
-                                 "given with its cache")
-            where = Where(positions, positions)
-        else:
-            segments = jnp.zeros(tokens.shape, jnp.int32) if segments is None else segments
-            cache = cache.replace(positions=write_rows(cache.positions, jnp.broadcast_to(positions, tokens.shape),
-                                                       cache.index),
-                                  segments=write_rows(cache.segments, segments, cache.index))
-            where = Where(positions, cache.positions, segments, cache.segments)
+        positions, where, cache = locate(tokens, cache, positions, segments)
 
         wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal(embedding_std(cfg)),
                        dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wte")
@@ -420,11 +336,21 @@ class GPT(nn.Module):
         # recomputes attention and the elementwise ops from them.
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                          static_argnums=(4,)) if cfg.remat else Block
-        new_layers = []
-        for layer in range(cfg.n_layer):
-            layer_cache = None if cache is None else cache.layer(layer, positions)
-            x, layer_cache = block(cfg, name=f"h_{layer}")(x, where, layer_cache, deterministic)
-            new_layers.append(layer_cache)
+        layer_caches = None if cache is None else [cache.layer(layer, positions) for layer in range(cfg.n_layer)]
+        if cfg.scan_layers:  # one block's program run n_layer times, its params stacked on a leading axis
+            scanned = None if cache is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layer_caches)
+            blocks = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
+                             split_rngs={"params": True, "dropout": True},
+                             in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layer)
+            x, scanned = blocks(cfg, name="h")(x, where, scanned, deterministic)
+            new_layers = [None if cache is None else jax.tree.map(lambda a, i=i: a[i], scanned)
+                          for i in range(cfg.n_layer)]
+        else:
+            new_layers = []
+            for layer in range(cfg.n_layer):
+                layer_cache = None if cache is None else layer_caches[layer]
+                x, layer_cache = block(cfg, name=f"h_{layer}")(x, where, layer_cache, deterministic)
+                new_layers.append(layer_cache)
 
         x = make_norm(cfg, "ln_f")(x)
         if cfg.tie_embeddings:  # W_U = Eᵀ
@@ -437,6 +363,53 @@ class GPT(nn.Module):
         if cache is None:
             return logits
         return logits, cache.with_layers(new_layers, T)
+
+
+# --- the blocks' parameter layouts ------------------------------------------------------------
+
+BLOCK_NAME = re.compile(r"h_(\d+)")
+
+
+def _per_layer(node) -> bool:
+    return isinstance(node, dict) and "h_0" in node
+
+
+def _stacked(node) -> bool:
+    return isinstance(node, dict) and isinstance(node.get("h"), dict)
+
+
+def stack_layers(tree):
+    """The loop's layout → scan_layers': in every dict holding blocks h_0 … h_{L−1} (params, and
+    the optimizer state's moments, which mirror them), they become one 'h' whose leaves are
+    the L layers' leaves stacked on a new leading axis."""
+    def stack(node):
+        if not _per_layer(node):
+            return node
+        layers = sorted((int(m[1]), key) for key in node if (m := BLOCK_NAME.fullmatch(key)))
+        rest = {key: value for key, value in node.items() if not BLOCK_NAME.fullmatch(key)}
+        return {**rest, "h": jax.tree.map(lambda *leaves: jnp.stack(leaves), *(node[key] for _, key in layers))}
+
+    return jax.tree.map(stack, tree, is_leaf=_per_layer)
+
+
+def unstack_layers(tree):
+    """scan_layers' layout → the loop's: each stacked 'h' becomes h_0 … h_{L−1}."""
+    def unstack(node):
+        if not _stacked(node):
+            return node
+        n_layer = jax.tree.leaves(node["h"])[0].shape[0]
+        rest = {key: value for key, value in node.items() if key != "h"}
+        return {**rest, **{f"h_{i}": jax.tree.map(lambda a, i=i: a[i], node["h"]) for i in range(n_layer)}}
+
+    return jax.tree.map(unstack, tree, is_leaf=_stacked)
+
+
+def layers_as(tree, cfg: GPTConfig):
+    """`tree` (params or anything mirroring them) in the layout cfg.scan_layers asks for,
+    whichever layout it is in."""
+    if cfg.scan_layers:
+        return stack_layers(tree)
+    return unstack_layers(tree)
 
 
 # --- sizes ----------------------------------------------------------------------------------

@@ -196,7 +196,13 @@ def _check_same_run(directory: Path, cfg: GPTConfig, tokenizer: tokenizers.Token
     saved_path = directory / CONFIG_FILE
     if saved_path.exists():
         saved_model = json.loads(saved_path.read_text()).get("model")
-        if _saved_model(saved_model) != cfg:  # fields added since the run began take their defaults
+        saved = _saved_model(saved_model)
+        if saved is not None and saved == cfg.replace(scan_layers=saved.scan_layers) != cfg:
+            layout = "stacked" if saved.scan_layers else "per layer"
+            raise TrainingError(f"{directory}'s checkpoints hold the blocks {layout} (model.scan_layers="
+                                f"{saved.scan_layers}): resume with --config.model.scan_layers={saved.scan_layers} "
+                                "(jaxgpt.model.layers_as converts params between the layouts)")
+        if saved != cfg:  # fields added since the run began take their defaults
             raise TrainingError(f"{directory} holds a run of another model ({saved_model}); resume it with its own "
                                 "config or choose another --config.run_dir")
     pinned_path = directory / TOKENIZER_FILE

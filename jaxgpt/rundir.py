@@ -6,10 +6,10 @@ runs a new run may start from (`init_from`).
     params = init_params_from(config.init_from, model_cfg)
 
 init_from is 'hf:PATH' (a Hugging Face GPT-2 checkpoint, jaxgpt.convert) or the directory
-of a jaxgpt run: the new run takes its architecture (all of config.model but
-convert.RUN_FIELDS: block_size, at most the source's; dropout; dtypes; attention), its
-tokenizer and the params of its best checkpoint (by validation loss; else the latest), with
-a fresh optimizer state from step 0: fine-tuning.
+of a jaxgpt run: the new run takes its architecture (all of config.model but RUN_FIELDS:
+block_size, at most the source's; dropout; dtypes; attention; scan_layers), its tokenizer
+and the params of its best checkpoint (by validation loss; else the latest), with a fresh
+optimizer state from step 0: fine-tuning.
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ import jax.numpy as jnp
 from jaxgpt import convert, data, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT
+from jaxgpt.model import GPT, layers_as, unstack_layers
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+HF_SCHEME = "hf:"
+# What a run chooses for itself when it starts from another; the source fixes the rest.
+RUN_FIELDS = ("block_size", "dropout", "dtype", "param_dtype", "attention", "scan_layers")
 
 
 def load_run(run_dir, step: int | None = None):
@@ -79,29 +82,72 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], GPTConfig, tokenizers.Token
 def resolve_init_from(config) -> tuple[Any, tokenizers.Tokenizer | None]:
     """A training config made to start from its init_from ('hf:PATH' or a run directory), and
     the tokenizer to make its tokens with (None: the one data.tokenizer names). The caller's
-    config is left as it was."""
-    if str(config.init_from).startswith(convert.INIT_FROM_SCHEME):
-        return convert.resolve_init_from(config)
-    source = Path(config.init_from).expanduser()
-    if not (source / CONFIG_FILE).is_file():
-        raise ValueError(f"init_from={config.init_from!r} is neither hf:PATH nor a jaxgpt run directory (no "
-                         f"{CONFIG_FILE}): give the run_dir of a finished run")
-    _, source_cfg, tokenizer = read_run(source)
+    config is left as it was. A data.tokenizer that names a kind to train (char, word, bpe, …)
+    gives way to the source's tokenizer; a tokenizer file given by path is kept (its ids must
+    be the source's)."""
+    spec = str(config.init_from)
+    if spec.startswith(HF_SCHEME):
+        source_cfg, tokenizer = convert.load_hf_config(_hf_directory(spec)), None
+    else:
+        source_cfg, tokenizer = _run_source(spec)
+    source = spec.removeprefix(HF_SCHEME)
     if config.model.block_size > source_cfg.block_size:
         raise ValueError(f"model.block_size={config.model.block_size} is longer than the context of {source} "
-                         f"({source_cfg.block_size}): choose at most {source_cfg.block_size}")
+                         f"(n_positions={source_cfg.block_size}): choose at most {source_cfg.block_size}")
     config = copy.deepcopy(config)
     for name, value in source_cfg.to_dict().items():
-        if name not in convert.RUN_FIELDS:
+        if name not in RUN_FIELDS:
             config.model[name] = value
+    if tokenizer is not None or config.data.tokenizer not in tokenizers.KINDS:
+        return config, tokenizer
+    tokenizer = convert.load_hf_tokenizer(source)
+    if tokenizer is None:
+        raise ValueError(f"{source} has no {convert.VOCAB_FILE} + {convert.MERGES_FILE}: set data.tokenizer to "
+                         "the path of the tokenizer file whose ids this checkpoint uses")
     return config, tokenizer
+
+
+def _hf_directory(spec: str) -> Path:
+    if spec == HF_SCHEME:
+        raise ValueError(f"init_from={spec!r}: give hf:PATH, PATH a Hugging Face GPT-2 directory")
+    return Path(spec[len(HF_SCHEME):]).expanduser()
+
+
+def _run_directory(spec: str) -> Path:
+    source = Path(spec).expanduser()
+    if not (source / CONFIG_FILE).is_file():
+        raise ValueError(f"init_from={spec!r} is neither hf:PATH nor a jaxgpt run directory (no "
+                         f"{CONFIG_FILE}): give hf:PATH or the run_dir of a finished run")
+    return source
+
+
+def _run_source(spec: str) -> tuple[GPTConfig, tokenizers.Tokenizer]:
+    _, source_cfg, tokenizer = read_run(_run_directory(spec))
+    return source_cfg, tokenizer
 
 
 def init_params_from(spec: str, cfg: GPTConfig, shardings=None) -> dict:
     """The params a run of `cfg` starts from: those of `spec` ('hf:PATH', or a run
-    directory's best checkpoint), the position table cropped to cfg.block_size, in cfg's
-    param_dtype, placed with `shardings` (a params-shaped tree of shardings) when given."""
-    if str(spec).startswith(convert.INIT_FROM_SCHEME):
-        return convert.init_params_from(spec, cfg, shardings)
-    params, source_cfg, _ = load_run(Path(spec).expanduser())
-    return convert.fit_params(source_cfg, params, cfg, shardings, f"the run {spec}")
+    directory's best checkpoint), by fit_params."""
+    if str(spec).startswith(HF_SCHEME):
+        directory = _hf_directory(spec)
+        return fit_params(*convert.load_hf_gpt2(directory), cfg, shardings, f"the checkpoint {directory}")
+    params, source_cfg, _ = load_run(_run_directory(spec))
+    return fit_params(source_cfg, params, cfg, shardings, f"the run {spec}")
+
+
+def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, shardings, source: str) -> dict:
+    """A source model's params for a run of `cfg`: the same architecture or ValueError, cropped
+    to cfg.block_size, in cfg.param_dtype and cfg's layer layout (model.layers_as), placed by
+    `shardings` when given (each process makes its shards: any number of hosts)."""
+    different = [f"{n}={getattr(cfg, n)!r} (checkpoint: {getattr(source_cfg, n)!r})" for n in source_cfg.to_dict()
+                 if n not in RUN_FIELDS and getattr(cfg, n) != getattr(source_cfg, n)]
+    if different:
+        raise ValueError(f"the model config does not match {source}: {', '.join(different)}; leave the architecture "
+                         "to the checkpoint")
+    _, params = convert.crop_block_size(source_cfg, unstack_layers(jax.device_get(params)), cfg.block_size)
+    params = layers_as(jax.tree.map(lambda x: x.astype(cfg.params_dtype), params), cfg)
+    if shardings is None:
+        return params
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
+                        params, shardings)

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.caches import KVCache
 from jaxgpt.config import GPTConfig, is_int, is_number
 from jaxgpt.decoding import check_reach, is_concrete, next_logits, prompt_batch, start_cache
-from jaxgpt.model import KVCache
 
 # --- the sampling maths: pure functions of logits (V,) or (..., V) ---------------------------
 

@@ -78,9 +78,12 @@ def fit_spec(spec: P, shape, mesh: Mesh) -> P:
 
 
 def spec_for(path: str, shape) -> P:
+    """The rule's spec of a leaf; the blocks of a scan_layers model (under 'h/') have a leading
+    layer axis, which stays whole."""
+    stacked = re.search(r"(^|/)h/", path) is not None
     for pattern, spec in PARTITION_RULES:
-        if re.search(pattern, path) and len(spec) == len(shape):
-            return spec
+        if re.search(pattern, path) and len(spec) == len(shape) - stacked:
+            return P(None, *spec) if stacked else spec
     return P()
 
 

@@ -35,7 +35,7 @@ from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.config import GPTConfig
 from jaxgpt.errors import tidy_cli_output
 from jaxgpt.metrics import current_records, read_metrics
-from jaxgpt.model import GPT
+from jaxgpt.model import GPT, layers_as
 from jaxgpt.run import load_run
 from jaxgpt.text import encode_prompt
 
@@ -117,8 +117,8 @@ def explicit_forward(params, cfg: GPTConfig, tokens):
     if cfg.attention == "linear":
         raise ValueError("attention='linear' has no attention weights to draw (no softmax over the keys): "
                          "draw a model with softmax attention")
-    explicit = cfg.replace(attention="explicit", remat=False)
-    logits, state = GPT(explicit).apply({"params": params}, tokens, mutable=["intermediates"])
+    explicit = cfg.replace(attention="explicit", remat=False, scan_layers=False)
+    logits, state = GPT(explicit).apply({"params": layers_as(params, explicit)}, tokens, mutable=["intermediates"])
     weights = {name: layer["attn"]["attention_weights"][0] for name, layer in state["intermediates"].items()}
     return logits, weights
 

@@ -81,3 +81,13 @@ def test_unknown_keys_are_named_with_the_nearest_one():
     assert unknown_key(config, "train.lrr") == "no key 'train.lrr'; did you mean 'train.lr'?"
     assert unknown_key(config, "modle.n_layer") == "no key 'modle'; did you mean 'model'?"
     assert unknown_key(config, "train.zzz") == "no key 'train.zzz'"
+
+
+def test_replace_derives_the_derived_fields_again():
+    """d_ff, head_dim and n_kv_head left to their defaults follow d_model and n_head; set ones stay."""
+    base = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=4, d_model=32)
+    wider = base.replace(d_model=64, n_head=8)
+    assert (wider.d_ff, wider.head_dim, wider.n_kv_head) == (4 * 64, 64 // 8, 8)
+    chosen = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=4, d_model=32, d_ff=48, head_dim=6, n_kv_head=2)
+    kept = chosen.replace(n_head=8)
+    assert (kept.d_ff, kept.head_dim, kept.n_kv_head) == (48, 6, 2)

@@ -16,7 +16,7 @@ import reference as ref
 from safetensors.numpy import load_file, save_file
 from test_model import random_params
 
-from jaxgpt import GPTConfig, convert, export, sampling, text, tokenizers
+from jaxgpt import GPTConfig, convert, export, rundir, sampling, text, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.model import GPT
 from jaxgpt.run import load_run
@@ -297,25 +297,25 @@ def test_bad_tokenizer_files_are_one_line_errors(tmp_path, checkpoint):
 def test_init_params_from_crops_the_context_and_keeps_the_function(checkpoint):
     cfg, params = convert.load_hf_gpt2(checkpoint)
     short = cfg.replace(block_size=8, dropout=0.1)
-    cropped = convert.init_params_from(f"hf:{checkpoint}", short)
+    cropped = rundir.init_params_from(f"hf:{checkpoint}", short)
     assert cropped["wpe"]["embedding"].shape == (8, cfg.d_model)
     tokens = tokens_for(cfg)
     # Causal: the first 8 positions of a 16-token sequence see only its first 8 tokens.
     np.testing.assert_allclose(logits(short, cropped, tokens[:, :8]), logits(cfg, params, tokens)[:, :8], atol=1e-5)
-    in_bfloat16 = convert.init_params_from(f"hf:{checkpoint}", short.replace(param_dtype="bfloat16"))
+    in_bfloat16 = rundir.init_params_from(f"hf:{checkpoint}", short.replace(param_dtype="bfloat16"))
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(in_bfloat16))
 
 
 def test_init_params_from_places_params_with_the_given_shardings(checkpoint):
     cfg, params = convert.load_hf_gpt2(checkpoint)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    placed = convert.init_params_from(f"hf:{checkpoint}", cfg, jax.tree.map(lambda _: device, params))
+    placed = rundir.init_params_from(f"hf:{checkpoint}", cfg, jax.tree.map(lambda _: device, params))
     assert all(leaf.sharding == device for leaf in jax.tree.leaves(placed))
     jax.tree.map(np.testing.assert_array_equal, placed, params)
 
 
 @pytest.mark.parametrize("spec, cfg_changes, message", [
-    ("gpt2", {}, r"init_from='gpt2': give hf:PATH"),
+    ("gpt2", {}, r"init_from='gpt2' is neither hf:PATH nor a jaxgpt run directory"),
     ("hf:", {}, r"init_from='hf:': give hf:PATH"),
     ("hf:{checkpoint}", dict(n_layer=3), r"does not match the checkpoint .*: n_layer=3 \(checkpoint: 2\)"),
     ("hf:{checkpoint}", dict(tie_embeddings=False), r"tie_embeddings=False \(checkpoint: True\)"),
@@ -323,7 +323,7 @@ def test_init_params_from_places_params_with_the_given_shardings(checkpoint):
 ])
 def test_init_params_from_bad_input(checkpoint, spec, cfg_changes, message):
     with pytest.raises(ValueError, match=message):
-        convert.init_params_from(spec.format(checkpoint=checkpoint), tiny(**cfg_changes))
+        rundir.init_params_from(spec.format(checkpoint=checkpoint), tiny(**cfg_changes))
 
 
 def test_resolve_init_from_takes_the_architecture_and_tokenizer_of_the_checkpoint(tmp_path, checkpoint, bpe):
@@ -334,7 +334,7 @@ def test_resolve_init_from_takes_the_architecture_and_tokenizer_of_the_checkpoin
     config.run_dir = str(tmp_path / "run")
     config.model.update(n_layer=6, d_model=128, block_size=8, dropout=0.1, dtype="bfloat16")
     before = config.to_dict()
-    resolved_config, tokenizer = convert.resolve_init_from(config)
+    resolved_config, tokenizer = rundir.resolve_init_from(config)
     resolved = GPTConfig.from_dict(dict(resolved_config.model))
     assert resolved == tiny(block_size=8, dropout=0.1, dtype="bfloat16")
     assert tokenizer == bpe
@@ -342,7 +342,7 @@ def test_resolve_init_from_takes_the_architecture_and_tokenizer_of_the_checkpoin
 
     config.model.block_size = 17
     with pytest.raises(ValueError, match=r"model.block_size=17 is longer than the context of .* \(n_positions=16\)"):
-        convert.resolve_init_from(config)
+        rundir.resolve_init_from(config)
 
 
 def test_resolve_init_from_needs_a_tokenizer(tmp_path, checkpoint):
@@ -356,9 +356,9 @@ def test_resolve_init_from_needs_a_tokenizer(tmp_path, checkpoint):
     config.init_from, config.run_dir = f"hf:{path}", str(tmp_path / "run")
     config.model.block_size = 16
     with pytest.raises(ValueError, match="has no vocab.json \\+ merges.txt: set data.tokenizer to the path"):
-        convert.resolve_init_from(config)
+        rundir.resolve_init_from(config)
     config.data.tokenizer = "my-tokenizer.json"  # given by path: kept as it is
-    resolved, tokenizer = convert.resolve_init_from(config)
+    resolved, tokenizer = rundir.resolve_init_from(config)
     assert resolved.data.tokenizer == "my-tokenizer.json" and tokenizer is None
 
 

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgpt import data, tokenizers
 from jaxgpt.data import DataError, cache
+from jaxgpt.data.split import assign_splits
 from jaxgpt.tokenizers import Tokenizer
 
 fast = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
@@ -361,15 +362,40 @@ def test_held_out_documents_partition_the_corpus_and_spread_out(n, fraction):
         assert k * n // len(val) <= position < (k + 1) * n / len(val)
 
 
+def hashed_into_val(index, fraction):
+    """The rule DataConfig documents for a text corpus, written out here on its own."""
+    digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
 def test_held_out_documents_become_the_validation_split(tmp_path):
-    files = {f"doc{i:02d}.txt": f"document number {i}\n" for i in range(20)}
+    files = {f"doc{i:02d}.txt": f"document number {i}\n" for i in range(40)}
     root = write_files(tmp_path / "corpus", files)
     # Byte-level BPE has no <|unk|>, so the held-out documents decode exactly.
     corpus = data.prepare(config(tmp_path, source=str(root), val_fraction=0.2, tokenizer="bpe",
                                  vocab_size=270))
     train, val = documents(corpus.train, corpus.tokenizer), documents(corpus.val, corpus.tokenizer)
-    expected_train, expected_val = data.split_documents(list(files.values()), 0.2)
-    assert (train, val) == (expected_train, expected_val) and len(val) == 4
+    docs = list(files.values())
+    expected_val = [d for i, d in enumerate(docs) if hashed_into_val(i, 0.2)]
+    assert val == expected_val and 2 <= len(val) <= 16
+    assert train == [d for d in docs if d not in expected_val]
+
+
+@fast
+@given(n=st.integers(2, 40), fraction=st.floats(0.01, 0.99))
+def test_streaming_split_keeps_order_and_always_holds_out_a_document(n, fraction):
+    docs = [f"document {i}" for i in range(n)]
+    assigned = list(assign_splits(docs, fraction))
+    assert [d for _, d in assigned] == docs
+    val = [i for i, (which, _) in enumerate(assigned) if which == "val"]
+    hashed = [i for i in range(n) if hashed_into_val(i, fraction)]
+    assert val == (hashed if hashed else [n - 1])  # none hashed into val: the last document is
+
+
+def test_streaming_split_holds_out_about_the_fraction():
+    assigned = [which for which, _ in assign_splits(map(str, range(20_000)), 0.1)]
+    assert abs(assigned.count("val") - 2000) < 4 * math.sqrt(20_000 * 0.1 * 0.9)
+    assert all(which == "train" for which, _ in assign_splits(map(str, range(50)), 0.0))
 
 
 def test_bytes_per_token_is_text_bytes_over_tokens(tmp_path):
@@ -437,8 +463,10 @@ def test_cache_is_reused_when_nothing_changed(tmp_path, encode_calls):
 def test_meta_records_the_blake2b_checksum_of_each_token_file(tmp_path):
     corpus = data.prepare(config(tmp_path, source=str(write_files(tmp_path / "c", DOCS)), val_fraction=0.25))
     for split in ("train", "val"):
-        content = (corpus.directory / f"{split}.bin").read_bytes()
-        assert corpus.meta["splits"][split]["blake2b"] == hashlib.blake2b(content, digest_size=16).hexdigest()
+        (shard,) = corpus.meta["splits"][split]["shards"]
+        content = (corpus.directory / f"{split}-00000.bin").read_bytes()
+        assert shard == {"file": f"{split}-00000.bin", "tokens": len(content) // 2,
+                         "blake2b": hashlib.blake2b(content, digest_size=16).hexdigest()}
 
 
 def change_ids(path, fraction, vocab_size):
@@ -461,7 +489,7 @@ def small_chunks(monkeypatch):
 def test_ids_changed_to_other_valid_ids_are_found_and_prepare_rebuilds(tmp_path, encode_calls, small_chunks):
     root = write_files(tmp_path / "corpus", DOCS)
     first = data.prepare(config(tmp_path, source=str(root)))
-    path, vocab_size, original = first.directory / "train.bin", first.tokenizer.vocab_size, np.array(first.train)
+    path, vocab_size, original = first.directory / "train-00000.bin", first.tokenizer.vocab_size, np.array(first.train)
     changed = change_ids(path, 0.1, vocab_size)
     damaged = np.fromfile(path, np.uint16)
     assert changed >= 10 and np.count_nonzero(damaged != original) == changed
@@ -469,10 +497,10 @@ def test_ids_changed_to_other_valid_ids_are_found_and_prepare_rebuilds(tmp_path,
 
     with pytest.raises(DataError) as refused:
         data.open_corpus(first.directory)
-    assert str(refused.value) == (f"the token cache {first.directory} is damaged (train.bin does not match its "
-                                  f"checksum); delete {first.directory} to rebuild it")
+    assert str(refused.value) == (f"the token cache {first.directory} is damaged (train-00000.bin does not match "
+                                  f"its checksum); delete {first.directory} to rebuild it")
     encode_calls.clear()
-    with pytest.warns(UserWarning, match=r"train.bin does not match its checksum\): deleting it and building"):
+    with pytest.warns(UserWarning, match=r"train-00000.bin does not match its checksum\): deleting it and building"):
         rebuilt = data.prepare(config(tmp_path, source=str(root)))
     assert encode_calls and rebuilt.directory == first.directory
     assert documents(rebuilt.train, rebuilt.tokenizer) == DOCS_IN_ORDER  # the source's tokens again
@@ -485,13 +513,13 @@ def test_an_id_outside_the_vocabulary_is_named_with_its_file_and_position(tmp_pa
     root = write_files(tmp_path / "corpus", DOCS)
     first = data.prepare(config(tmp_path, source=str(root), val_fraction=0.25))
     vocab_size, original = first.tokenizer.vocab_size, np.array(first.val)
-    tokens = np.memmap(first.directory / "val.bin", dtype=np.uint16, mode="r+")
+    tokens = np.memmap(first.directory / "val-00000.bin", dtype=np.uint16, mode="r+")
     tokens[[5, 9]] = vocab_size + 7, vocab_size  # in the second and third chunks of 4 ids
     tokens.flush()
-    with pytest.raises(DataError, match=rf"is damaged \(val.bin holds id {vocab_size + 7} at position 5, outside the "
-                                        rf"tokenizer's {vocab_size} ids\); delete .* to rebuild it"):
+    with pytest.raises(DataError, match=rf"is damaged \(val-00000.bin holds id {vocab_size + 7} at position 5, "
+                                        rf"outside the tokenizer's {vocab_size} ids\); delete .* to rebuild it"):
         data.open_corpus(first.directory)
-    with pytest.warns(UserWarning, match=f"val.bin holds id {vocab_size + 7}"):
+    with pytest.warns(UserWarning, match=f"val-00000.bin holds id {vocab_size + 7}"):
         rebuilt = data.prepare(config(tmp_path, source=str(root), val_fraction=0.25))
     np.testing.assert_array_equal(rebuilt.val, original)
 
@@ -509,7 +537,7 @@ def test_a_tokenizer_that_gives_ids_outside_its_vocabulary_writes_no_cache(tmp_p
 
     monkeypatch.setattr(Tokenizer, "encode", off_by_one)
     with pytest.raises(DataError, match=rf"the char tokenizer gave id {tokenizer.vocab_size}, outside its "
-                                        rf"{tokenizer.vocab_size} ids, for document 2 of train.bin"):
+                                        rf"{tokenizer.vocab_size} ids, for document 2 of the train split"):
         data.prepare(config(tmp_path, source=str(root)), tokenizer=tokenizer)
     assert cache_entries(tmp_path) == []
 
@@ -519,17 +547,19 @@ def as_version_1(directory):
     meta = json.loads((directory / "meta.json").read_text())
     meta["version"] = 1
     for counts in meta["splits"].values():
-        del counts["blake2b"]
+        del counts["shards"]
     (directory / "meta.json").write_text(json.dumps(meta))
 
 
 def test_a_cache_of_the_first_version_is_never_trusted(tmp_path, encode_calls, monkeypatch):
     root = write_files(tmp_path / "corpus", DOCS)
-    current = cache.CACHE_VERSION
+    current, readable = cache.CACHE_VERSION, cache.READABLE_VERSIONS
     monkeypatch.setattr(cache, "CACHE_VERSION", 1)
+    monkeypatch.setattr(cache, "READABLE_VERSIONS", (1,))
     old = data.prepare(config(tmp_path, source=str(root)))
     as_version_1(old.directory)
     monkeypatch.setattr(cache, "CACHE_VERSION", current)
+    monkeypatch.setattr(cache, "READABLE_VERSIONS", readable)
 
     encode_calls.clear()
     new = data.prepare(config(tmp_path, source=str(root)))
@@ -571,7 +601,7 @@ def test_cache_is_rebuilt_when_the_source_or_tokenizer_changes(tmp_path, encode_
     assert rebuilt.tokenizer == tokenizers.load(saved)
 
 
-def test_interrupted_build_leaves_nothing_that_is_read_later(tmp_path, monkeypatch):
+def test_interrupted_build_leaves_only_a_build_directory_that_is_never_read(tmp_path, monkeypatch):
     root = write_files(tmp_path / "corpus", DOCS)
     calls = []
     original = Tokenizer.encode
@@ -585,10 +615,14 @@ def test_interrupted_build_leaves_nothing_that_is_read_later(tmp_path, monkeypat
     monkeypatch.setattr(Tokenizer, "encode", interrupt_third_document)
     with pytest.raises(KeyboardInterrupt):
         data.prepare(config(tmp_path, source=str(root)))
-    assert cache_entries(tmp_path) == []  # no cache and no partial build
+    (partial,) = cache_entries(tmp_path)  # no cache: a build directory to resume from
+    assert partial.startswith(".") and partial.endswith(".partial")
+    with pytest.raises(DataError, match="not a prepared corpus"):
+        data.open_corpus(tmp_path / "cache" / partial)
     monkeypatch.undo()
     corpus = data.prepare(config(tmp_path, source=str(root)))
     assert documents(corpus.train, corpus.tokenizer) == DOCS_IN_ORDER
+    assert cache_entries(tmp_path) == [corpus.directory.name]
 
 
 KILLED_BUILD = """
@@ -614,9 +648,9 @@ def test_killed_build_leaves_only_a_partial_directory_that_is_never_read(tmp_pat
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]
     (partial,) = cache_entries(tmp_path)
     assert partial.startswith(".") and partial.endswith(".partial")
-    assert (tmp_path / "cache" / partial / "train.bin").exists()  # killed mid-write
+    assert (tmp_path / "cache" / partial / "progress.json").exists()  # killed mid-build
     corpus = data.prepare(config(tmp_path, source=str(root)))
-    assert encode_calls  # built anew, not read from the partial directory
+    assert encode_calls  # finished anew (no shard was complete), not read from the partial directory
     assert documents(corpus.train, corpus.tokenizer) == DOCS_IN_ORDER
     assert cache_entries(tmp_path) == [corpus.directory.name]  # the dead build's leftovers went
 

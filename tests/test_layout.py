@@ -20,9 +20,10 @@ PACKAGE = ROOT / "jaxgpt"
 # Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
 # know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
 LAYERS = (
-    ("errors", "files"),
+    ("errors", "files", "model_config"),
     ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
-    ("optim", "data", "model", "cli"),
+    ("caches", "cli"),
+    ("optim", "data", "model"),
     ("training", "decoding", "convert"),
     ("evaluation", "sampling", "beam", "rundir"),
     ("text",),
@@ -198,7 +199,7 @@ def test_checker_names_an_upward_import(tmp_path):
         "data/cache.py": "from jaxgpt.model import GPT\nfrom jaxgpt.data import sources\n",
         "data/sources.py": "",
     })
-    assert upward_imports(import_graph(root)) == ["jaxgpt.data.cache imports jaxgpt.model (layer 2 → 2)"]
+    assert upward_imports(import_graph(root)) == ["jaxgpt.data.cache imports jaxgpt.model (layer 3 → 3)"]
 
 
 def test_checker_resolves_relative_and_package_imports(tmp_path):

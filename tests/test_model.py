@@ -96,7 +96,9 @@ def test_variants_differ_from_default(changes):
     assert float(jnp.abs(a - b).max()) > 1e-4  # gelu_exact vs tanh gelu differ least: ~1e-3 here
 
 
-CAUSAL = [{"positions": p} for p in POSITIONS] + [{"attention": "linear"}, {"attention": "linear", "positions": "rope"}]
+CAUSAL = [{"positions": p} for p in POSITIONS] + [  # and issue #19's variants
+    {"attention": "linear"}, {"attention": "linear", "positions": "rope"}, {"n_head": 4, "n_kv_head": 1},
+    {"head_dim": 6, "logits_bias": True}, {"activation": "glu"}, {"ffn_layers": 3, "activation": "silu"}]
 
 
 @pytest.mark.parametrize("changes", CAUSAL, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))

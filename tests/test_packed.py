@@ -10,8 +10,9 @@ import pytest
 import reference
 
 from jaxgpt import ops
+from jaxgpt.caches import init_cache
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT, init_cache
+from jaxgpt.model import GPT
 from jaxgpt.training import TrainState, loss_fn, make_train_step
 
 LENGTHS = (5, 9, 4)  # three examples packed in a row of 20: 2 positions of padding

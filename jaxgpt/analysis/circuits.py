@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxgpt.config import GPTConfig
+from jaxgpt.model import unstack_layers
 
 KINDS = ("q", "k", "v")
 MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
@@ -32,7 +33,7 @@ MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
 
 def head_matrices(params, cfg: GPTConfig, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(W_QK, W_OV) of every head of `layer`, each (H, d, d)."""
-    attn = params[f"h_{layer}"]["attn"]
+    attn = unstack_layers(params)[f"h_{layer}"]["attn"]
     if cfg.attention == "linear":
         raise ValueError("circuits read softmax attention's bilinear score qᵀk; attention='linear' scores "
                          "φ(q)ᵀφ(k), which W_QK does not describe: analyse a model with softmax attention")

@@ -14,11 +14,16 @@ One module per stage, each importing only those before it:
     tfds_local.py  a TFDS builder that turns your own files into a dataset
     tfds.py        tfds:NAME[:SPLIT] as a source (ArrayRecord, no TensorFlow needed)
     records.py     .jsonl/.json/.csv/.tsv records → prompt/completion turns by templates
+    split.py       train/validation decided as documents stream past; the tokenizer's sample
+    encode.py      documents encoded by worker processes, in order
+    shards.py      token shards: written .partial then renamed; read back as one array
+    stream.py      a text corpus streamed into shards, resumably (progress.json checkpoints)
     cache.py       prepare(): documents → tokenizer → token files, fingerprinted and reused
     examples.py    a records corpus's examples in the cache: tokens, loss mask, origins
     batches.py     training windows as a pure function of (seed, step); evaluation windows
     packing.py     examples packed into rows; their batches as a pure function of (seed, step)
     prefetch.py    DeviceBatches: batches made ahead and laid out on the devices
+    prepare.py     `python -m jaxgpt.data.prepare --config=…`: prepare without training
 
 The settings are config.data (jaxgpt.config.DataConfig). Bad input raises
 `FileNotFoundError` (a missing path) or `DataError` (a `ValueError`) with a one-line message

@@ -1,27 +1,39 @@
 """The token cache: a corpus read, split, tokenized and written once, then memory-mapped.
 
-`prepare` splits the documents into train and validation (held-out documents spread evenly
-over the corpus, or the tail of a single document), trains the tokenizer on the train split
-(or uses the one given), and writes, in `<cache_dir>/<name>-<fingerprint>/`: `train.bin` and
-`val.bin` (the token ids, uint16 when the vocabulary fits, else uint32, with one `<|eos|>`
-between consecutive documents and none at either end), `tokenizer.json` and `meta.json`. The
-fingerprint hashes the source (file paths, sizes and modification times; a TFDS dataset's
-identity), the tokenizer and every setting that changes the tokens, so a matching cache is
-reused and any change makes a new one. A build happens in a hidden `.partial` directory
-renamed into place when complete, so an interrupted build leaves nothing that is later read.
-The corpus is held in memory while it is tokenized.
+`prepare` splits the documents into train and validation, trains the tokenizer on a sample of
+the train split (or uses the one given), and writes, in `<cache_dir>/<name>-<fingerprint>/`:
+the token ids (uint16 when the vocabulary fits, else uint32), `tokenizer.json` and
+`meta.json`. A text corpus is streamed (jaxgpt.data.stream): documents are split as they
+pass (jaxgpt.data.split), encoded by `data.workers` processes, and written as shards
+`train-00000.bin …` and `val-00000.bin …` of at most `data.shard_tokens` ids, with one
+`<|eos|>` between consecutive documents of a split and none at either end; meta.json indexes
+them (file, tokens, checksum) and `Corpus.train`/`val` read them as one array. A records
+corpus is read in memory and written as `train.bin`/`val.bin` with its masks
+(jaxgpt.data.examples). The fingerprint hashes the source (file paths, sizes and
+modification times; a TFDS dataset's identity), the tokenizer (and, for one trained here, its
+sample's size) and every setting that changes the tokens, so a matching cache is reused and
+any change makes a new one.
 
-Integrity: meta.json records each split's BLAKE2b-128 checksum (`b2sum -l 128 train.bin`
-prints the same), and every id is checked to lie within the tokenizer's vocabulary when the
-cache is written and each time it is opened (one pass over the memory map, about a second
-per GB). A cache that fails either check, or that another version of jaxgpt wrote, is
-damaged: `open_corpus` refuses it, and `prepare` warns, deletes it and builds it anew.
+A build happens in the hidden directory `.<name>-<fingerprint>.partial`, renamed into place
+when complete, so nothing half-written is ever read as a cache. The builder holds an
+exclusive lock on the file `.lock` in it (the kernel's flock, released however the process
+ends): a second process preparing the same corpus waits for the first and then uses its
+cache; a build stopped in any way (Ctrl-C, kill -9) is resumed by the next one from its
+last finished shard (jaxgpt.data.stream).
+
+Integrity: meta.json records each file's BLAKE2b-128 checksum (`b2sum -l 128 FILE` prints
+the same), and every id is checked to lie within the tokenizer's vocabulary when the cache
+is written and each time it is opened (one read of each file, about a second per GB). A
+cache that fails either check, or that a version of jaxgpt that this one cannot read wrote,
+is damaged: `open_corpus` refuses it, and `prepare` warns, deletes it and builds it anew.
+`open_corpus` still reads the single-file caches of version 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import glob
+import fcntl
 import hashlib
 import json
 import logging
@@ -30,8 +42,9 @@ import os
 import re
 import shutil
 import socket
+import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +53,12 @@ import numpy as np
 from jaxgpt import tokenizers
 from jaxgpt.config import DataConfig
 from jaxgpt.data import records
+from jaxgpt.data.encode import UNGUARDED, WORKER_ENV
 from jaxgpt.data.examples import Examples, open_examples, write_examples
 from jaxgpt.data.generated import generated_file, is_generated
-from jaxgpt.data.sources import DocumentReader, Source, capped, files_source, list_files, split_documents, stdlib_files
+from jaxgpt.data.shards import ShardedTokens, concatenated
+from jaxgpt.data.sources import Source, files_source, list_files, split_documents, stdlib_files
+from jaxgpt.data.stream import Progress, ids_dtype, write_text
 from jaxgpt.data.tfds import tfds_source
 from jaxgpt.errors import DataError
 from jaxgpt.tokenizers import Tokenizer
@@ -50,10 +66,12 @@ from jaxgpt.tokenizers import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = "jaxgpt-tokens"
-CACHE_VERSION = 2  # 2: meta.json records each split's checksum
+CACHE_VERSION = 3  # 2: meta.json records each split's checksum; 3: text splits in shards, streamed
+READABLE_VERSIONS = (2, 3)
 SPLITS = ("train", "val")
 CHECKSUM_BYTES = 16  # BLAKE2b-128: accidental damage goes unnoticed with probability 2⁻¹²⁸
-CHECK_CHUNK_BYTES = 1 << 20  # the memory map is checked 1 MiB at a time, which stays in cache
+CHECK_CHUNK_BYTES = 1 << 20  # a token file is checked 1 MiB at a time, which stays in cache
+LOCK_FILE = ".lock"
 
 
 class DamagedCacheError(DataError):
@@ -70,19 +88,21 @@ class Corpus:
     """A prepared corpus.
 
     tokenizer: the Tokenizer that made the tokens.
-    train, val: the token ids of each split as read-only 1-D arrays (np.memmap of the
-      cache files; an empty split is an empty array). Documents are separated by
+    train, val: the token ids of each split, read-only and 1-D: the np.memmap of its file
+      when it has one (an empty split is an empty array), else a `ShardedTokens` that reads
+      its shards as one array (len, indices, slices and index arrays, which may cross from
+      one shard into the next, as a training window may). Documents are separated by
       `tokenizer.eos_id`, so a new document follows each <|eos|>.
     meta: the contents of meta.json (fingerprint; per split the token, byte and document
-      counts and the checksum; …).
+      counts and its shards, each with its tokens and checksum; the tokenizer's sample; …).
     directory: the cache directory the arrays map.
     examples: of a records corpus (data.format='records'), each split's Examples (the tokens
       of each example and the loss mask); None for a text corpus.
     """
 
     tokenizer: Tokenizer
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | ShardedTokens
+    val: np.ndarray | ShardedTokens
     meta: dict[str, Any]
     directory: Path
     examples: dict[str, Examples] | None = None
@@ -102,29 +122,56 @@ class Corpus:
                 for split, counts in self.meta["splits"].items()}
 
 
-def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> Corpus:
+def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None,
+            on_progress: Progress | None = None) -> Corpus:
     """The corpus `data_cfg` describes (a data section, see jaxgpt.config.DataConfig): reuse
-    its cache when the fingerprint matches, else read, split, tokenize and write it.
+    its cache when the fingerprint matches, else read, split, tokenize and write it (or
+    finish writing it, after a build that was stopped).
 
     The tokens are made by `tokenizer` when one is given (data.tokenizer is then not read),
-    else by the tokenizer data.tokenizer names: a kind to train on the train split, or a
-    saved tokenizer's file. A cache that fails `open_corpus`'s checks (damaged, or another
+    else by the tokenizer data.tokenizer names: a kind to train on the train split's sample,
+    or a saved tokenizer's file. `on_progress(documents, bytes)` is called as a text corpus's
+    documents are written. A cache that fails `open_corpus`'s checks (damaged, or another
     version's) is deleted and built anew, with a warning."""
+    if os.environ.get(WORKER_ENV):  # an encoding worker importing an unguarded script: its parent says why
+        raise DataError(UNGUARDED)
     settings = DataConfig.from_mapping(data_cfg)
     if tokenizer is None and settings.tokenizer not in tokenizers.KINDS:
         tokenizer = _load_tokenizer_file(settings.tokenizer)
-    if tokenizer is None:
-        tokenizer_identity: dict[str, Any] = {"kind": settings.tokenizer, "vocab_size": settings.vocab_size}
-        tokenizer_name = settings.tokenizer
-    else:
-        tokenizer_identity = {"sha256": tokenizer_hash(tokenizer)}
-        tokenizer_name = f"{tokenizer.kind}{tokenizer.vocab_size}"
     source = resolve_source(settings.source, settings)
     val_source = resolve_source(settings.val_source, settings) if settings.val_source else None
+    fingerprint = _fingerprint(settings, source, val_source, tokenizer)
+    tokenizer_name = settings.tokenizer if tokenizer is None else f"{tokenizer.kind}{tokenizer.vocab_size}"
+    name = re.sub(r"[^\w.-]+", "-", f"{source.name}-{tokenizer_name}")[:60]
+    directory = settings.cache_path / f"{name}-{fingerprint[:16]}"
+    build = (directory, fingerprint, source, val_source, settings, tokenizer, on_progress)
+    if not (directory / "meta.json").is_file():
+        _build(*build)
+    try:
+        corpus = open_corpus(directory, tokenizer=tokenizer)
+    except DamagedCacheError as err:
+        warnings.warn(f"the token cache {directory} {err.problem}: deleting it and building it anew", stacklevel=2)
+        _discard(directory)
+        _build(*build)
+        corpus = open_corpus(directory, tokenizer=tokenizer)
+    if corpus.meta["fingerprint"] != fingerprint:
+        raise DataError(f"the token cache {directory} belongs to other data; delete it")
+    return corpus
+
+
+def _fingerprint(settings: DataConfig, source: Source, val_source: Source | None, tokenizer: Tokenizer | None) -> str:
+    """SHA-256 of everything that decides the tokens (not of what only lays them out: workers,
+    shard_tokens, encode_batch_bytes)."""
+    if tokenizer is None:
+        tokenizer_identity: dict[str, Any] = {"kind": settings.tokenizer, "vocab_size": settings.vocab_size}
+        if settings.format == "text":  # records train on every record
+            tokenizer_identity["sample_bytes"] = settings.tokenizer_sample_bytes
+    else:
+        tokenizer_identity = {"sha256": tokenizer_hash(tokenizer)}
     identity = {}
-    if settings.format == "records":  # a text corpus's fingerprint stays as it was
+    if settings.format == "records":
         identity["records"] = records.templates(settings).identity()
-    fingerprint = _sha256(json.dumps({
+    return _sha256(json.dumps({
         **identity,
         "format": [CACHE_FORMAT, CACHE_VERSION],
         "source": source.identity,
@@ -134,27 +181,17 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None) -> 
         "max_bytes": settings.max_bytes,
         "tokenizer": tokenizer_identity,
     }, sort_keys=True).encode())
-    name = re.sub(r"[^\w.-]+", "-", f"{source.name}-{tokenizer_name}")[:60]
-    directory = settings.cache_path / f"{name}-{fingerprint[:16]}"
-    if not (directory / "meta.json").is_file():
-        _build(directory, fingerprint, source, val_source, settings, tokenizer)
-    try:
-        corpus = open_corpus(directory, tokenizer=tokenizer)
-    except DamagedCacheError as err:
-        warnings.warn(f"the token cache {directory} {err.problem}: deleting it and building it anew", stacklevel=2)
-        _discard(directory)
-        _build(directory, fingerprint, source, val_source, settings, tokenizer)
-        corpus = open_corpus(directory, tokenizer=tokenizer)
-    if corpus.meta["fingerprint"] != fingerprint:
-        raise DataError(f"the token cache {directory} belongs to other data; delete it")
-    return corpus
 
 
 def _load_tokenizer_file(spec: str) -> Tokenizer:
+    """A saved tokenizer's file, or a directory holding GPT-2's vocab.json + merges.txt."""
     path = Path(spec).expanduser()
+    if path.is_dir() and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return tokenizers.BPETokenizer.from_gpt2(path / "vocab.json", path / "merges.txt")
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {spec!r} does not exist; set data.tokenizer to "
-                                f"{', '.join(tokenizers.KINDS)} or a saved tokenizer's path")
+                                f"{', '.join(tokenizers.KINDS)}, a saved tokenizer's path or a directory "
+                                "holding GPT-2's vocab.json + merges.txt")
     return tokenizers.load(path)
 
 
@@ -170,16 +207,20 @@ def resolve_source(spec: str, settings: DataConfig) -> Source:
         return files_source("stdlib", stdlib_files(), settings)
     if spec.startswith("tfds:"):
         return tfds_source(spec, settings)
+    if spec.startswith("hf:"):
+        from jaxgpt.data.hf import hf_source  # the hf extra's library is imported only when asked for
+
+        return hf_source(spec, settings)
     if is_generated(spec):
         return files_source(spec.replace(":", "-"), [generated_file(spec, settings.cache_path)], settings)
     return files_source(Path(spec).name or spec, list_files(spec), settings)
 
 
 def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None) -> Corpus:
-    """Map a cache directory written by `prepare`, after checking each split against its
-    checksum and the tokenizer's vocabulary (a `DamagedCacheError` says which file failed);
-    with `tokenizer`, check that it is the one the tokens were made with (e.g. the tokenizer
-    saved in a run being resumed)."""
+    """Map a cache directory written by `prepare` (this version's, or a single-file cache of
+    version 2), after checking each token file against its checksum and the tokenizer's
+    vocabulary (a `DamagedCacheError` says which file failed); with `tokenizer`, check that
+    it is the one the tokens were made with (e.g. the tokenizer saved in a run being resumed)."""
     directory = Path(directory)
     try:
         meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
@@ -188,7 +229,7 @@ def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None
             from None
     except json.JSONDecodeError:
         raise DamagedCacheError(directory, "is damaged (meta.json is not valid JSON)") from None
-    if (meta.get("format"), meta.get("version")) != (CACHE_FORMAT, CACHE_VERSION):
+    if meta.get("format") != CACHE_FORMAT or meta.get("version") not in READABLE_VERSIONS:
         raise DamagedCacheError(directory, f"is not one this jaxgpt reads (format {meta.get('format')!r} version "
                                            f"{meta.get('version')!r}, not {CACHE_FORMAT!r} version {CACHE_VERSION})")
     tokenizer_file = directory / "tokenizer.json"
@@ -201,21 +242,8 @@ def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None
                         f"{expected}; delete the directory to rebuild it, or use the tokenizer "
                         f"it holds ({cached})")
     dtype = np.dtype(meta["dtype"])
-    arrays = {}
-    for split in SPLITS:
-        count = meta["splits"][split]["tokens"]
-        path = directory / f"{split}.bin"
-        if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
-            raise DamagedCacheError(directory, f"is damaged ({path.name} is missing or has the wrong size for "
-                                               f"{count} tokens)")
-        if count:
-            arrays[split] = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
-        else:  # mmap cannot map an empty file
-            arrays[split] = np.empty(0, dtype)
-            arrays[split].flags.writeable = False
-        problem = _check_tokens(arrays[split], meta["splits"][split].get("blake2b"), cached.vocab_size)
-        if problem:
-            raise DamagedCacheError(directory, f"is damaged ({path.name} {problem})")
+    arrays = {split: _open_split(directory, split, meta["splits"][split], dtype, cached.vocab_size)
+              for split in SPLITS}
     examples = None
     if "records" in meta:
         examples = {split: open_examples(directory, split, arrays[split], meta) for split in SPLITS}
@@ -225,18 +253,43 @@ def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None
     return Corpus(cached, arrays["train"], arrays["val"], meta, directory, examples)
 
 
-def _check_tokens(tokens: np.ndarray, checksum: str | None, vocab_size: int) -> str | None:
-    """What is wrong with a split's token array, or None: an id outside the vocabulary (the
-    first one), or a checksum other than the one recorded. One pass, a chunk at a time."""
+def _open_split(directory: Path, split: str, counts: dict[str, Any], dtype: np.dtype,
+                vocab_size: int) -> np.ndarray | ShardedTokens:
+    """A split's tokens, each of its files checked: its shards, or its one file `{split}.bin`."""
+    files = counts.get("shards", [{"file": f"{split}.bin", "tokens": counts["tokens"],
+                                   "blake2b": counts.get("blake2b")}])
+    if sum(file["tokens"] for file in files) != counts["tokens"]:
+        raise DamagedCacheError(directory, f"is damaged (the {split} shards do not add up to {counts['tokens']} "
+                                           "tokens)")
+    parts = []
+    for file in files:
+        path, count = directory / file["file"], file["tokens"]
+        if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
+            raise DamagedCacheError(directory, f"is damaged ({path.name} is missing or has the wrong size for "
+                                               f"{count} tokens)")
+        problem = _check_tokens(path, count, dtype, file["blake2b"], vocab_size)
+        if problem:
+            raise DamagedCacheError(directory, f"is damaged ({path.name} {problem})")
+        parts.append(np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.empty(0, dtype))
+    if len(parts) == 1 and not len(parts[0]):
+        parts = []  # mmap cannot map an empty file
+    return concatenated(parts, dtype)
+
+
+def _check_tokens(path: Path, count: int, dtype: np.dtype, checksum: str | None, vocab_size: int) -> str | None:
+    """What is wrong with a token file, or None: an id outside the vocabulary (the first one),
+    or a checksum other than the one recorded. One pass, a chunk at a time, read rather than
+    mapped (so the check leaves nothing of the file in this process's memory)."""
     digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-    step = max(1, CHECK_CHUNK_BYTES // tokens.itemsize)
-    for start in range(0, len(tokens), step):
-        chunk = tokens[start:start + step]
-        digest.update(chunk)
-        if chunk.max() >= vocab_size:
-            position = int(np.argmax(chunk >= vocab_size))
-            return (f"holds id {chunk[position]} at position {start + position}, outside the tokenizer's "
-                    f"{vocab_size} ids")
+    step = max(1, CHECK_CHUNK_BYTES // dtype.itemsize)
+    with open(path, "rb") as file:
+        for start in range(0, count, step):
+            chunk = np.fromfile(file, dtype, count=min(step, count - start))
+            digest.update(chunk)
+            if chunk.max() >= vocab_size:
+                position = int(np.argmax(chunk >= vocab_size))
+                return (f"holds id {chunk[position]} at position {start + position}, outside the tokenizer's "
+                        f"{vocab_size} ids")
     if checksum is None:
         return "has no checksum in meta.json"
     if digest.hexdigest() != checksum:
@@ -245,17 +298,26 @@ def _check_tokens(tokens: np.ndarray, checksum: str | None, vocab_size: int) -> 
 
 
 def _build(directory: Path, fingerprint: str, source: Source, val_source: Source | None,
-           settings: DataConfig, tokenizer: Tokenizer | None) -> None:
-    """Write the cache for `fingerprint` into a private partial directory, then rename it
-    into place: a reader sees either nothing or a complete cache."""
+           settings: DataConfig, tokenizer: Tokenizer | None, on_progress: Progress | None) -> None:
+    """Write the cache for `fingerprint` in its build directory, holding its lock, then rename
+    it into place: a reader sees either nothing or a complete cache. A stopped build of the
+    same fingerprint is resumed (text) or started again (records)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_builds(directory)
-    partial = _partial_path(directory)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    try:
-        write = _write_records if settings.format == "records" else _write_documents
-        tokenizer, dtype, splits, extra = write(partial, source, val_source, settings, tokenizer)
+    partial = directory.parent / f".{directory.name}.partial"
+    with _build_lock(partial):
+        if (directory / "meta.json").is_file():  # another process built it while this one waited
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        try:
+            if settings.format == "records":
+                tokenizer, dtype, splits, extra = _write_records(_emptied(partial), source, val_source, settings,
+                                                                 tokenizer)
+            else:
+                tokenizer, dtype, splits, extra = write_text(partial, source, val_source, settings, tokenizer,
+                                                             fingerprint, on_progress)
+        except DataError:  # bad input fails again: nothing to resume (Ctrl-C, kill -9, a full disk: resumed)
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         meta = {
             "format": CACHE_FORMAT,
             "version": CACHE_VERSION,
@@ -273,36 +335,44 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
             **extra,
         }
         (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        if directory.exists() and not (directory / "meta.json").exists():
-            shutil.rmtree(directory)  # never published by a build; only a stray copy
+        if directory.exists():
+            shutil.rmtree(directory)  # never published by a build (no meta.json): only a stray copy
+        partial.rename(directory)
+        (directory / LOCK_FILE).unlink()
+
+
+@contextlib.contextmanager
+def _build_lock(partial: Path) -> Iterator[None]:
+    """Hold the exclusive lock of the build directory `partial` (created if need be). A lock
+    taken on a file that was since renamed away (its build published) is let go and taken
+    again on a new one."""
+    while True:
+        partial.mkdir(exist_ok=True)
+        fd = os.open(partial / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            partial.rename(directory)
-        except OSError:
-            if not (directory / "meta.json").is_file():
-                raise
-            # Another process published the same fingerprint first; its cache is equal.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process that is preparing the same data in {partial}", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            current = os.stat(partial / LOCK_FILE).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
+    try:
+        yield
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        os.close(fd)  # the build directory stays, for the next build to resume
 
 
-def _write_documents(partial: Path, source: Source, val_source: Source | None, settings: DataConfig,
-                     tokenizer: Tokenizer | None):
-    """A text corpus: documents → (tokenizer, dtype, per-split counts, more meta)."""
-    reader = DocumentReader(settings.text_field, settings)
-    documents = capped(source.documents(reader), settings.max_documents, settings.max_bytes)
-    if not documents:
-        raise DataError(f"the corpus {settings.source!r} is empty: it holds no text")
-    if val_source is None:
-        train_docs, val_docs = split_documents(documents, settings.val_fraction)
-    else:
-        train_docs = documents
-        val_docs = capped(val_source.documents(reader), settings.max_documents, settings.max_bytes)
-    reader.warn()
-    log.info("tokenizing %s: %d training and %d validation documents", source.name, len(train_docs), len(val_docs))
-    tokenizer, dtype = _tokenizer_for(partial, train_docs, settings, tokenizer)
-    splits = {split: _write_tokens(partial / f"{split}.bin", docs, tokenizer, dtype)
-              for split, docs in zip(SPLITS, (train_docs, val_docs), strict=True)}
-    return tokenizer, dtype, splits, {}
+def _emptied(partial: Path) -> Path:
+    """The build directory with everything but its lock removed (what a stopped build left)."""
+    for entry in partial.iterdir():
+        if entry.name != LOCK_FILE:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return partial
 
 
 def _write_records(partial: Path, source: Source, val_source: Source | None, settings: DataConfig,
@@ -355,19 +425,13 @@ def _tokenizer_for(partial: Path, texts: Sequence[str], settings: DataConfig, to
     if tokenizer is None:
         tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size)
     tokenizer.save(partial / "tokenizer.json")
-    return tokenizer, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-
-
-def _partial_path(directory: Path) -> Path:
-    """This process's private directory beside `directory`; a dead process's is removed by
-    the next build (`_remove_abandoned_builds`)."""
-    return directory.parent / f".{directory.name}.{socket.gethostname()}.{os.getpid()}.partial"
+    return tokenizer, ids_dtype(tokenizer)
 
 
 def _discard(directory: Path) -> None:
     """Delete a published cache: renamed out of the way first (atomically, so no reader sees
     half a cache), then removed. Readers that mapped its files keep reading them."""
-    doomed = _partial_path(directory)
+    doomed = directory.parent / f".{directory.name}.{socket.gethostname()}.{os.getpid()}.discarded"
     shutil.rmtree(doomed, ignore_errors=True)
     try:
         directory.rename(doomed)
@@ -376,48 +440,5 @@ def _discard(directory: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _remove_abandoned_builds(directory: Path) -> None:
-    """Delete partial builds of `directory` left by processes of this host that died."""
-    host = socket.gethostname()
-    for partial in directory.parent.glob(f".{glob.escape(directory.name)}.*.partial"):
-        owner_host, _, pid = partial.name[len(directory.name) + 2:-len(".partial")].rpartition(".")
-        if owner_host == host and pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(partial, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _write_tokens(path: Path, documents: Sequence[str], tokenizer: Tokenizer,
-                  dtype: type) -> dict[str, Any]:
-    """Write the documents' ids with <|eos|> between documents; return the split's counts and
-    the checksum of the file."""
-    eos = np.array([tokenizer.eos_id], dtype).tobytes()
-    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-    tokens = text_bytes = 0
-    with open(path, "wb") as file:
-        for i, document in enumerate(documents):
-            ids = np.asarray(tokenizer.encode(document), np.int64)
-            if len(ids) and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
-                bad = ids.min() if ids.min() < 0 else ids.max()
-                raise DataError(f"the {tokenizer.kind} tokenizer gave id {bad}, outside its {tokenizer.vocab_size} "
-                                f"ids, for document {i + 1} of {path.name}; the tokenizer is inconsistent: "
-                                "train it anew or use another")
-            written = (eos if i else b"") + ids.astype(dtype).tobytes()
-            file.write(written)
-            digest.update(written)
-            tokens += len(ids) + (1 if i else 0)
-            text_bytes += len(document.encode("utf-8"))
-    return {"tokens": tokens, "bytes": text_bytes, "documents": len(documents), "blake2b": digest.hexdigest()}
-
-
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-

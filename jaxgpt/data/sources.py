@@ -16,7 +16,9 @@
   that has Python.
 
 A `Source` has a cheap identity (what the token cache's fingerprint hashes) and a generator
-of its documents; `capped` and `split_documents` then choose what is read and held out.
+of its documents, read lazily (a `.jsonl` file a line at a time); `capped` then chooses what
+is read, lazily too, and jaxgpt.data.split (text) or `split_documents` (records) what is held
+out.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class DocumentReader:
 
     def read_files(self, files: Iterable[Path]) -> Iterator[str]:
         recognizer = ocr.Recognizer(self.settings)
-        ahead: deque[Callable[[], list[str]]] = deque()
+        ahead: deque[Callable[[], Iterable[str]]] = deque()
         try:
             for file in files:
                 ahead.append(self._begin(file, recognizer))
@@ -108,7 +110,7 @@ class DocumentReader:
         if notes:
             warnings.warn("reading the corpus: " + "; ".join(notes), stacklevel=3)
 
-    def _begin(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], list[str]]:
+    def _begin(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], Iterable[str]]:
         """Start reading `path`; the function returned finishes it and gives its documents."""
         try:
             finish = self._start(path, recognizer)
@@ -124,7 +126,7 @@ class DocumentReader:
 
         return documents
 
-    def _start(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], list[str]]:
+    def _start(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], Iterable[str]]:
         suffix = path.suffix.lower()
         if suffix == ".pdf":
             return self._start_pdf(path, recognizer)
@@ -136,8 +138,7 @@ class DocumentReader:
                 return [page.text for page in pages if page.text] if self._confident(path, pages) else []
 
             return image_documents
-        documents = self._text_documents(path)
-        return lambda: documents
+        return lambda: self._text_documents(path)  # read when its turn comes: text needs no read-ahead
 
     def _start_pdf(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], list[str]]:
         """A PDF as one document, page by page: its text layer, or under ocr='auto' for a page
@@ -182,14 +183,14 @@ class DocumentReader:
         self.unreadable.append((path, str(problem)))
         return []
 
-    def _text_documents(self, path: Path) -> list[str]:
+    def _text_documents(self, path: Path) -> Iterable[str]:
+        if path.suffix.lower() == ".jsonl":
+            return self._jsonl_documents(path)
         raw = path.read_bytes()
         if b"\0" in raw[:BINARY_PROBE_BYTES]:
             self.binary_files.append(path)
             return []
         text = self.decode(raw, path)
-        if path.suffix.lower() == ".jsonl":
-            return self._jsonl_documents(text, path)
         return [text] if text else []
 
     def decode(self, raw: bytes, origin: Path | str) -> str:
@@ -200,35 +201,47 @@ class DocumentReader:
             text = raw.decode("utf-8-sig", "replace")
             # U+FFFD that the file itself holds is text, not a repair.
             self.replaced += text.count("\ufffd") - raw.count("\ufffd".encode())
-            self.files_with_replacements.append(origin)
+            self._repaired(origin)
             return text
 
-    def _jsonl_documents(self, text: str, path: Path) -> list[str]:
-        documents = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number} is not valid JSON ({err.msg}); a .jsonl file "
-                                "holds one JSON object per line") from None
-            if not isinstance(record, dict) or self.text_field not in record:
-                fields = ", ".join(map(repr, record)) if isinstance(record, dict) else "none"
-                raise DataError(f"{path}:{number} has no field {self.text_field!r} (its fields: "
-                                f"{fields}); set data.text_field to the field with the text")
-            document = record[self.text_field]
-            if not isinstance(document, str):
-                raise DataError(f"{path}:{number}: field {self.text_field!r} holds "
-                                f"{type(document).__name__}, not text; set data.text_field to "
-                                "the field with the text")
-            if _LONE_SURROGATE.search(document):  # JSON can escape them; UTF-8 cannot hold them
-                document, count = _LONE_SURROGATE.subn("\ufffd", document)
-                self.replaced += count
-                self.files_with_replacements.append(path)
-            if document:
-                documents.append(document)
-        return documents
+    def _repaired(self, origin: Path | str) -> None:
+        if not self.files_with_replacements or self.files_with_replacements[-1] != origin:
+            self.files_with_replacements.append(origin)
+
+    def _jsonl_documents(self, path: Path) -> Iterator[str]:
+        """The documents of a .jsonl file, read a line at a time (the file is never held whole)."""
+        with open(path, "rb") as file:
+            if b"\0" in file.read(BINARY_PROBE_BYTES):
+                self.binary_files.append(path)
+                return
+            file.seek(0)
+            for number, raw in enumerate(file, start=1):
+                line = self.decode(raw, path)
+                if line.strip():
+                    document = self._jsonl_document(line, path, number)
+                    if document:
+                        yield document
+
+    def _jsonl_document(self, line: str, path: Path, number: int) -> str:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number} is not valid JSON ({err.msg}); a .jsonl file "
+                            "holds one JSON object per line") from None
+        if not isinstance(record, dict) or self.text_field not in record:
+            fields = ", ".join(map(repr, record)) if isinstance(record, dict) else "none"
+            raise DataError(f"{path}:{number} has no field {self.text_field!r} (its fields: "
+                            f"{fields}); set data.text_field to the field with the text")
+        document = record[self.text_field]
+        if not isinstance(document, str):
+            raise DataError(f"{path}:{number}: field {self.text_field!r} holds "
+                            f"{type(document).__name__}, not text; set data.text_field to "
+                            "the field with the text")
+        if _LONE_SURROGATE.search(document):  # JSON can escape them; UTF-8 cannot hold them
+            document, count = _LONE_SURROGATE.subn("\ufffd", document)
+            self.replaced += count
+            self._repaired(path)
+        return document
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -330,22 +343,24 @@ def files_source(name: str, files: list[Path], settings: DataConfig) -> Source:
     return Source(name, identity, documents)
 
 
-def capped(documents: Iterator[str], max_documents: int | None, max_bytes: int | None
-            ) -> list[str]:
-    """The documents in order, at most `max_documents` of them and `max_bytes` UTF-8 bytes."""
-    kept: list[str] = []
+def capped(documents: Iterable[str], max_documents: int | None, max_bytes: int | None
+           ) -> Iterator[str]:
+    """The documents in order, lazily, at most `max_documents` of them and `max_bytes` UTF-8
+    bytes (the document that crosses the cap is cut on a character); empty ones dropped."""
     budget = max_bytes
-    for document in documents:
-        if max_documents is not None and len(kept) == max_documents:
-            break
+    for count, document in enumerate(documents):
+        if max_documents is not None and count == max_documents:
+            return
         if budget is not None:
             encoded = document.encode("utf-8")
             if len(encoded) >= budget:
-                kept.append(encoded[:budget].decode("utf-8", "ignore"))  # cut on a character
-                break
+                last = encoded[:budget].decode("utf-8", "ignore")
+                if last:
+                    yield last
+                return
             budget -= len(encoded)
-        kept.append(document)
-    return [document for document in kept if document]
+        if document:
+            yield document
 
 
 def split_documents(documents: Sequence[str], val_fraction: float

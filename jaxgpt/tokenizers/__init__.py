@@ -38,8 +38,10 @@ A tokenizer file is one JSON object {"format": "jaxgpt-tokenizer", "version": 1,
 executes code.
 
 Modules: `base` (the interface, shared helpers), `char_word` (char and word), `bpe`
-(byte-level BPE, GPT-2's files), `wordpiece` (WordPiece, "##" continuations), `unigram`
-(SentencePiece-style unigram language model); this one holds the registry of kinds.
+(byte-level BPE, GPT-2's files), `pretokenize` (its split pattern), `tiktoken_engine` (the
+byte-level BPE encoded by tiktoken, the same ids), `wordpiece` (WordPiece, "##"
+continuations), `unigram` (SentencePiece-style unigram language model); this one holds the
+registry of kinds.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import regex
-
 from jaxgpt.files import write_atomically
+from jaxgpt.tokenizers import tiktoken_engine
 from jaxgpt.tokenizers.base import (
     BOS,
     EOS,
@@ -31,12 +30,7 @@ from jaxgpt.tokenizers.base import (
     _field,
     _utf8,
 )
-
-# GPT-2's pre-tokenizer: contractions, letter runs, digit runs and other-symbol runs, each
-# with at most one leading space, then whitespace. Merges never cross these pieces.
-GPT2_SPLIT_PATTERN = (
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-)
+from jaxgpt.tokenizers.pretokenize import GPT2_SPLIT_PATTERN, compile_split_pattern, split
 
 _ENCODE_CACHE_LIMIT = 1 << 18  # pieces; the cache starts over when full
 _LOOKS_SPECIAL = re.compile(r"<[^<>]+>")  # <|endoftext|>, <pad>, </s>, ...
@@ -57,6 +51,10 @@ class BPETokenizer(Tokenizer):
       special_tokens: special token name → id; ids of vocab and specials together must
         be 0..n-1.
       pattern: the `regex` pattern that cuts text into pieces (no capturing groups).
+      engine: what encodes ordinary text, with the same ids either way: 'jaxgpt' (the encoder
+        below), 'tiktoken' (tiktoken's, from these merges; ValueError where it cannot give the
+        same ids, see jaxgpt.tokenizers.tiktoken_engine) or 'auto' (tiktoken once this tokenizer
+        has encoded 2²⁰ characters, when it is installed and can; else jaxgpt's).
     """
 
     kind = "bpe"
@@ -68,6 +66,7 @@ class BPETokenizer(Tokenizer):
         merges: Sequence[tuple[bytes, bytes]],
         special_tokens: Mapping[str, int],
         pattern: str = GPT2_SPLIT_PATTERN,
+        engine: str = "auto",
     ):
         _check_ids_dense([*vocab.values(), *special_tokens.values()])
         missing = [b for b in range(256) if bytes([b]) not in vocab]
@@ -101,8 +100,11 @@ class BPETokenizer(Tokenizer):
         for name, i in special_tokens.items():
             self._token_bytes[i] = name.encode("utf-8")
         self._pattern = pattern
-        self._splitter = _compile_split_pattern(pattern)
+        self._splitter = compile_split_pattern(pattern)
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._fast: tiktoken_engine.TiktokenEngine | bool | None = None  # False: cannot; None: not built
+        self._chars_encoded = 0
+        self.engine = engine
 
     @classmethod
     def train(
@@ -121,10 +123,10 @@ class BPETokenizer(Tokenizer):
             raise ValueError(f"byte-level BPE needs a vocab_size (e.g. 4096; at least {base}: "
                              f"256 bytes + {len(cls.SPECIALS)} special tokens)")
         _check_vocab_size(vocab_size, base, f"256 bytes + {len(cls.SPECIALS)} special tokens")
-        splitter = _compile_split_pattern(pattern)
+        splitter = compile_split_pattern(pattern)
         piece_counts: Counter[str] = Counter()
         for document in _documents(texts):
-            piece_counts.update(_split(splitter, document))
+            piece_counts.update(split(splitter, document))
         word_counts = {_utf8(piece): n for piece, n in piece_counts.items() if piece}
         if not word_counts:
             raise ValueError("cannot train a byte-level BPE tokenizer on empty text")
@@ -151,26 +153,67 @@ class BPETokenizer(Tokenizer):
     def pattern(self) -> str:
         return self._pattern
 
+    @property
+    def engine(self) -> str:
+        """'auto', 'jaxgpt' or 'tiktoken' (see the class docstring); settable."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: str) -> None:
+        self._engine = tiktoken_engine.check_engine(engine)
+        if engine == "tiktoken" and not self._fast:
+            self._fast = self._build_fast()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fast": None if self._fast else self._fast}  # tiktoken's is not pickled
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.engine = self._engine  # 'tiktoken' builds its engine again
+
+    def _build_fast(self) -> tiktoken_engine.TiktokenEngine:
+        return tiktoken_engine.build(self._vocab, self._merges, self.special_tokens, self._pattern,
+                                     self._encode_bytes)
+
+    def _fast_engine(self, length: int) -> tiktoken_engine.TiktokenEngine | None:
+        if self._engine == "jaxgpt" or self._fast is False:
+            return None
+        if self._fast is None:
+            self._chars_encoded += length
+            if self._chars_encoded < tiktoken_engine.AUTO_AFTER_CHARS:
+                return None
+            try:
+                self._fast = self._build_fast()
+            except ValueError:
+                self._fast = False  # jaxgpt's encoder, from now on
+                return None
+        return self._fast
+
     def _encode_ordinary(self, text: str) -> list[int]:
+        fast = self._fast_engine(len(text))
+        ids = fast.encode_ordinary(text) if fast else None
+        return ids if ids is not None else self._encode_pure(text)
+
+    def _encode_pure(self, text: str) -> list[int]:
         cache = self._cache
         ids: list[int] = []
-        for piece in _split(self._splitter, text):
+        for piece in split(self._splitter, text):
             piece_ids = cache.get(piece)
             if piece_ids is None:
-                piece_ids = self._encode_piece(piece)
+                piece_ids = self._encode_bytes(_utf8(piece))
                 if len(cache) >= _ENCODE_CACHE_LIMIT:
                     cache.clear()
                 cache[piece] = piece_ids
             ids += piece_ids
         return ids
 
-    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+    def _encode_bytes(self, piece: bytes) -> tuple[int, ...]:
         """Apply the lowest-rank applicable merge (leftmost on ties) until none applies.
 
         The piece is a linked list of tokens and the candidate merges sit in a heap keyed
         by (rank, position), so a long piece costs O(n log n), not O(n²).
         """
-        tokens: list[int | None] = [self._byte_ids[b] for b in _utf8(piece)]
+        tokens: list[int | None] = [self._byte_ids[b] for b in piece]
         n = len(tokens)
         rank_of, merged_id = self._merge_rank, self._merge_ids
         next_pos = list(range(1, n + 1))  # n: no next token
@@ -440,28 +483,3 @@ def _parse_printable_merges(lines: Sequence[Any]) -> list[tuple[bytes, bytes]]:
             raise ValueError(f"merge {line!r} is not two tokens separated by one space")
         merges.append((_from_printable(parts[0]), _from_printable(parts[1])))
     return merges
-
-
-def _compile_split_pattern(pattern: str) -> regex.Pattern:
-    try:
-        compiled = regex.compile(pattern)
-    except (regex.error, TypeError) as err:
-        raise ValueError(f"split pattern {pattern!r} is not a valid regular expression: {err}") \
-            from None
-    if compiled.groups:
-        raise ValueError(f"split pattern {pattern!r} has capturing groups; write (?:...) instead")
-    return compiled
-
-
-def _split(splitter: regex.Pattern, text: str) -> list[str]:
-    """Pieces of `text` by `splitter`; text it does not match becomes pieces too, so that no
-    character is ever dropped."""
-    pieces = splitter.findall(text)
-    if sum(map(len, pieces)) == len(text):  # matches never overlap: equal lengths = covered
-        return pieces
-    pieces, end = [], 0
-    for match in splitter.finditer(text):
-        pieces += [text[end:match.start()], match.group()]
-        end = match.end()
-    pieces.append(text[end:])
-    return [piece for piece in pieces if piece]

@@ -1,0 +1,213 @@
+"""Preparation at scale: peak memory against corpus size, throughput against workers, and a
+kill -9 in the middle of a preparation resumed to the same bytes.
+
+    python bench/bench_prepare.py [--scale 1.0] [--workdir DIR] [--keep]
+
+The corpus (≥ 1 GB at --scale 1) is generated: the standard library's .py files copied over
+and over, each copy changed deterministically (some identifiers renamed, a header naming the
+copy), plus tinyshakespeare when it is in the shared/ folder beside the repo. Its thirds are
+directories, so 0.25, 0.5 and 1 × scale GB corpora are a directory, a glob of two and the
+whole. Every preparation runs in its own process (as `python -m jaxgpt.data.prepare` would)
+with byte-level BPE 8192, trained once on a sample and then given as a file, so the rows
+measure reading, encoding and writing, not BPE training (whose time is printed apart).
+
+Memory: the peak resident memory of the preparing process (its ru_maxrss), the largest of
+its encoding workers (RUSAGE_CHILDREN) and, when psutil is installed, the peak of the whole
+process tree's sum sampled every 0.1 s. Throughput: MB of text per second with 1 and 2
+workers, and their ratio (measured side by side on this machine). Resume: the 1 × scale
+corpus prepared with 2 workers and killed (SIGKILL) halfway through its uninterrupted time,
+then prepared again: the shards must equal the uninterrupted ones byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from table import print_table  # noqa: E402  (bench/table.py: this script's folder is on sys.path)
+
+from jaxgpt import tokenizers  # noqa: E402
+
+try:
+    import psutil
+except ImportError:  # the tree's sum is then left out
+    psutil = None
+
+SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared/data/tinyshakespeare.txt"
+PARTS = (("part-a", 0.25), ("part-b", 0.25), ("part-c", 0.5))  # fractions of the full corpus
+RENAMED = ("self", "value", "result", "name", "data", "path", "args", "item", "key", "node")
+VOCAB_SIZE = 8192
+
+CHILD = """
+import json, resource, sys, time
+from jaxgpt import data
+start = time.perf_counter()
+corpus = data.prepare(json.loads(sys.argv[1]))
+took = time.perf_counter() - start
+splits = corpus.meta["splits"].values()
+print(json.dumps({"seconds": took, "bytes": sum(s["bytes"] for s in splits), "tokens": sum(s["tokens"] for s in splits),
+                  "self_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "worker_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+                  "directory": str(corpus.directory)}))
+"""
+
+
+def one_copy(text: str, copy: int) -> str:
+    """A deterministic variation of a source file for copy number `copy`."""
+    rng = random.Random(copy)
+    for word in rng.sample(RENAMED, 3):
+        text = re.sub(rf"\b{word}\b", f"{word}_{rng.randrange(1000)}", text)
+    return f"# copy {copy}\n{text}"
+
+
+def generate(root: Path, total_bytes: int) -> None:
+    """Fill root/part-* with varied text: PARTS' fractions of `total_bytes`."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    texts = [f.read_text("utf-8", "replace") for f in files if "test" not in f.parts and f.stat().st_size < 500_000]
+    if SHAKESPEARE.is_file():
+        texts.append(SHAKESPEARE.read_text("utf-8"))
+    copy = 0
+    for name, fraction in PARTS:
+        part, written = root / name, 0
+        while written < fraction * total_bytes:
+            directory = part / f"copy-{copy:05d}"
+            directory.mkdir(parents=True)
+            for i, text in enumerate(texts):
+                content = one_copy(text, copy).encode()
+                (directory / f"{i:05d}.txt").write_bytes(content)
+                written += len(content)
+                if written >= fraction * total_bytes:
+                    break
+            copy += 1
+
+
+def prepare(cfg: dict, kill_after: float | None = None) -> dict | None:
+    """Prepare `cfg` in a new process; its measurements (None when it was killed after
+    `kill_after` seconds), with the process tree's peak sampled by psutil."""
+    process = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cfg)], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL)
+    start, tree_peak = time.perf_counter(), 0
+    while process.poll() is None:
+        if kill_after is not None and time.perf_counter() - start > kill_after:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return None
+        tree_peak = max(tree_peak, tree_rss(process.pid))
+        time.sleep(0.1)
+    output = process.stdout.read().decode()
+    if process.returncode:
+        raise SystemExit(f"preparing {cfg['source']} failed (exit {process.returncode})")
+    wall = time.perf_counter() - start  # with the process's start, which `seconds` leaves out
+    return {**json.loads(output.strip().splitlines()[-1]), "tree_rss": tree_peak, "wall": wall}
+
+
+def tree_rss(pid: int) -> int:
+    if psutil is None:
+        return 0
+    try:
+        parent = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [parent, *parent.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
+def shard_bytes(directory: str) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).glob("*.bin"))} | \
+        {"meta.json": Path(directory, "meta.json").read_bytes()}
+
+
+def mb(value: float) -> str:
+    return f"{value / 1e6:,.0f}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="corpus size in GB (1 = 1 GB; try 0.01)")
+    parser.add_argument("--workdir", type=Path, default=None, help="for the corpus and caches (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the workdir")
+    parser.add_argument("--sample-mb", type=float, default=5.0, help="text the BPE tokenizer is trained on")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_prepare-"))
+    try:
+        run(workdir, args.scale, args.sample_mb)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(workdir: Path, scale: float, sample_mb: float) -> None:
+    corpus = workdir / "corpus"
+    start = time.perf_counter()
+    generate(corpus, int(scale * 1e9))
+    print(f"generated {scale:g} GB of text in {corpus} in {time.perf_counter() - start:.0f} s")
+    tokenizer_file = train_tokenizer(corpus, workdir, sample_mb)
+    base = {"tokenizer": str(tokenizer_file), "val_fraction": 0.01, "shard_tokens": max(100_000, int(scale * 2e7)),
+            "encode_batch_bytes": max(1 << 14, int(min(scale, 1.0) * (1 << 22)))}  # the default at scale 1
+    sizes = ((0.25, str(corpus / "part-a")), (0.5, str(corpus / "part-[ab]")), (1.0, str(corpus)))
+
+    def measure(label: str, source: str, workers: int) -> dict:
+        cache = workdir / f"cache-{label}"
+        result = prepare({**base, "source": source, "cache_dir": str(cache), "workers": workers})
+        shutil.rmtree(cache)
+        return result
+
+    rows, full = [], {}
+    for fraction, source in sizes:
+        full[fraction] = result = measure(f"{fraction}", source, 2)
+        rows.append((f"{fraction * scale:g} GB, 2 workers", mb(result["bytes"]), mb(result["self_rss"]),
+                     mb(result["worker_rss"]), mb(result["tree_rss"]) if psutil else "-",
+                     f"{result['bytes'] / result['seconds'] / 1e6:.1f}"))
+    single = measure("1w", str(corpus), 1)
+    rows.append((f"{scale:g} GB, 1 worker", mb(single["bytes"]), mb(single["self_rss"]), mb(single["worker_rss"]),
+                 mb(single["tree_rss"]) if psutil else "-", f"{single['bytes'] / single['seconds'] / 1e6:.1f}"))
+    print_table(("corpus", "text MB", "peak MB (main)", "peak MB (worker)", "peak MB (tree)", "MB/s"), rows)
+    two = full[1.0]
+    ratio = (two["bytes"] / two["seconds"]) / (single["bytes"] / single["seconds"])
+    print(f"\n2 workers / 1 worker: {ratio:.2f}× the throughput\n")
+    resume_row(workdir, {**base, "source": str(corpus), "workers": 2})
+
+
+def train_tokenizer(corpus: Path, workdir: Path, sample_mb: float) -> Path:
+    """Byte-level BPE 8192 trained on the first `sample_mb` MB of the corpus, saved."""
+    texts, size = [], 0
+    for file in sorted(corpus.rglob("*.txt")):
+        texts.append(file.read_text("utf-8"))
+        size += len(texts[-1])
+        if size > sample_mb * 1e6:
+            break
+    start = time.perf_counter()
+    tokenizer = tokenizers.train_tokenizer("bpe", texts, VOCAB_SIZE)
+    print(f"trained BPE {VOCAB_SIZE} on {size / 1e6:.1f} MB in {time.perf_counter() - start:.0f} s\n")
+    path = workdir / "bpe.json"
+    tokenizer.save(path)
+    return path
+
+
+def resume_row(workdir: Path, cfg: dict) -> None:
+    """Kill a preparation halfway, resume it, compare with an uninterrupted one."""
+    straight = prepare({**cfg, "cache_dir": str(workdir / "cache-straight")})
+    killed_cfg = {**cfg, "cache_dir": str(workdir / "cache-killed")}
+    assert prepare(killed_cfg, kill_after=straight["wall"] / 2) is None
+    resumed = prepare(killed_cfg)
+    identical = shard_bytes(resumed["directory"]) == shard_bytes(straight["directory"])
+    print_table(("resume", "uninterrupted s", "resumed s (after a kill at half)", "byte-identical"),
+                [("kill -9 at half, then resume", f"{straight['seconds']:.1f}", f"{resumed['seconds']:.1f}",
+                  "yes" if identical else "NO")])
+    if not identical:
+        raise SystemExit("the resumed preparation differs from the uninterrupted one")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Prepare a run's data without training: `python -m jaxgpt.data.prepare --config=configs/X.py
+[--config.data.workers=8 ...]`.
+
+Reads, splits, tokenizes and caches config.data exactly as train.py would (a later run with
+the same data settings reuses the cache), with a progress bar in bytes and documents; a
+preparation that was stopped resumes where it stopped. Prints the cache directory and each
+split's tokens. (Imported, the module stands in for the function jaxgpt.data.prepare: calling it calls that.)
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+from tqdm import tqdm
+
+from jaxgpt.cli import parse_config
+from jaxgpt.data import cache
+from jaxgpt.errors import ConfigError, one_line
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
+
+
+class Bar:
+    """A tqdm bar in bytes (so its rate reads in MB/s) that also counts documents."""
+
+    def __init__(self):
+        self.bar = tqdm(unit="B", unit_scale=True, unit_divisor=1000, desc="preparing", dynamic_ncols=True)
+        self.documents = 0
+
+    def __call__(self, documents: int, text_bytes: int) -> None:
+        self.documents += documents
+        if self.bar.update(text_bytes):  # True when the bar was drawn: keep the count in step
+            self.bar.set_postfix_str(f"{self.documents:,} documents", refresh=False)
+
+    def close(self) -> None:
+        self.bar.set_postfix_str(f"{self.documents:,} documents", refresh=False)
+        self.bar.close()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        config = parse_config(argv, DEFAULT_CONFIG)
+        bar = Bar()
+        try:
+            corpus = cache.prepare(config.data, on_progress=bar)
+        finally:
+            bar.close()
+    except (ConfigError, ValueError, TypeError, ImportError, OSError) as error:
+        print(f"prepare: {one_line(error, limit=2000)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("prepare: stopped; run the same command to resume", file=sys.stderr)
+        return 130
+    print(f"cache: {corpus.directory}")
+    for split, counts in corpus.meta["splits"].items():
+        shards = len(counts.get("shards", [None]))
+        print(f"{split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, "
+              f"{counts['bytes']:,} bytes, {shards} file(s)")
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module sets jaxgpt.data.prepare to it, in place of the function
+    `prepare` the package exports: calling it still calls that function."""
+
+    def __call__(self, *args, **kwargs):
+        return cache.prepare(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
+else:
+    sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,76 @@
+"""Train and validation splits of a text corpus decided as its documents stream past, and the
+sample a tokenizer learns from.
+
+Document i (counted from 0, after data.max_documents / max_bytes and with empty documents
+dropped) is held out when blake2b-64(i) / 2⁶⁴ < val_fraction (the 8-byte digest of i as 8
+little-endian bytes, read as a little-endian integer): a rule of the index alone, so no list
+of the corpus is needed and every pass over the source (the tokenizer's sample, the encoding,
+a resumed preparation) splits it the same way. Two cases
+need a look one document ahead: a corpus of a single document holds out its tail (the last
+val_fraction of its characters), and when no document was held out by the last one, the last
+one is, so that a small corpus still has a validation split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+
+SPLITS = ("train", "val")
+SAMPLE_RULE = "the first train documents up to data.tokenizer_sample_bytes UTF-8 bytes, the last one cut"
+
+
+def held_out(index: int, val_fraction: float) -> bool:
+    """Whether document `index` belongs to the validation split (before the last-document rule)."""
+    digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+def assign_splits(documents: Iterable[str], val_fraction: float) -> Iterator[tuple[str, str]]:
+    """(split, document) for each document, in order (see the module docstring)."""
+    stream = iter(documents)
+    first = next(stream, None)
+    if first is None:
+        return
+    pending, index, any_val = first, 0, False
+    for document in stream:
+        split = "val" if held_out(index, val_fraction) else "train"
+        any_val |= split == "val"
+        yield split, pending
+        pending, index = document, index + 1
+    if index == 0:  # a single document: its tail is the validation split
+        cut = len(pending) - round(len(pending) * val_fraction)
+        yield "train", pending[:cut]
+        if cut < len(pending):
+            yield "val", pending[cut:]
+        return
+    last_is_val = val_fraction > 0 and (not any_val or held_out(index, val_fraction))
+    yield ("val" if last_is_val else "train"), pending
+
+
+def train_sample(items: Iterable[tuple[str, str]], max_bytes: int
+                 ) -> tuple[list[str], int, list[tuple[str, str]] | None]:
+    """(documents, UTF-8 bytes) of the first train documents up to `max_bytes` bytes, the one
+    that crosses the limit cut on a character; and every item read when the stream ended
+    before the sample was full, having read at most 2 · max_bytes characters (a corpus that
+    need not be read again), else None. Stops reading once the sample is full."""
+    sample: list[str] = []
+    total = 0
+    read: list[tuple[str, str]] | None = []
+    read_chars = 0
+    for split, document in items:
+        if read is not None:
+            read.append((split, document))
+            read_chars += len(document)
+            read = read if read_chars <= 2 * max_bytes else None
+        if split != "train":
+            continue
+        encoded = document.encode("utf-8")
+        if total + len(encoded) >= max_bytes:
+            last = encoded[:max_bytes - total].decode("utf-8", "ignore")
+            if last:
+                sample.append(last)
+            return sample, total + len(last.encode("utf-8")), None
+        sample.append(document)
+        total += len(encoded)
+    return sample, total, read

@@ -1,0 +1,182 @@
+"""GPTConfig: a GPT's shape and choices (config.model), validated; the values each choice may take."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu", "silu", "glu")
+GATED = ("swiglu", "geglu", "glu")
+INITS = ("gpt2", "he", "small")
+ATTENTIONS = ("explicit", "blocked", "xla", "cudnn", "linear")
+LINEAR_FEATURES = ("elu+1", "relu")  # φ of attention="linear"
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """A GPT's shape and choices. Defaults are GPT-2's: learned positions, pre-norm LayerNorm,
+    tanh GELU, biases, and the unembedding tied to the token embedding."""
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    d_ff: int | None = None  # hidden width of the FFN; None means 4·d_model
+    dropout: float = 0.0
+    positions: str = "learned"
+    norm: str = "layernorm"
+    norm_position: str = "pre"
+    parallel_block: bool = False
+    activation: str = "gelu"
+    bias: bool = True
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    # explicit = ops.attention; blocked = the same in query blocks of 64 that skip the keys the
+    # causal mask hides (training and prefill); xla / cudnn = jax.nn.dot_product_attention;
+    # linear = ops.linear_attention, φ(q)ᵀS/(φ(q)ᵀz) with the feature map linear_feature
+    attention: str = "explicit"
+    remat: bool = False  # recompute attention and elementwise ops in the backward pass: less memory
+    n_kv_head: int | None = None  # key/value heads, each shared by n_head/n_kv_head query heads; None = n_head
+    head_dim: int | None = None  # the size D of each head; None = d_model // n_head
+    logits_bias: bool = False  # a learned vector b_U added to the logits
+    ffn_layers: int = 1  # hidden layers of the FFN: d → d_ff → … → d_ff → d
+    ffn_dropout: float = 0.0  # dropout on the FFN's hidden activations
+    init: str = "gpt2"  # "gpt2" | "he" | "small": the weights' initial distributions (model.kernel_std)
+    linear_feature: str = "elu+1"  # φ of attention="linear": "elu+1" | "relu"
+    # run the blocks as one nn.scan over params stacked on a leading axis (params["h"]): one
+    # block is compiled whatever n_layer is; the same function (model.layers_as converts)
+    scan_layers: bool = False
+
+    def _resolve_defaults(self):
+        """d_ff, head_dim and n_kv_head left as None take the values they mean."""
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        heads_valid = is_int(self.n_head) and self.n_head > 0 and is_int(self.d_model)
+        if self.head_dim is None and heads_valid:
+            if self.d_model % self.n_head:
+                raise ValueError(
+                    f"GPTConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}: "
+                    f"choose n_head among the divisors of d_model, or set head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+
+    def _check_variants(self):
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
+                             f"choose n_kv_head among the divisors of n_head")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"GPTConfig.positions='rope' needs an even head size, but head_dim = {self.head_dim}: "
+                f"choose an even head_dim (or d_model and n_head so that d_model/n_head is even)"
+            )
+        if self.attention == "linear" and self.positions == "alibi":
+            raise ValueError("GPTConfig.attention='linear' with positions='alibi': ALiBi is a bias on softmax "
+                             "scores, which linear attention has none of; use positions='rope' or 'none'")
+        if self.ffn_layers > 1 and self.activation in GATED:
+            raise ValueError(f"GPTConfig.ffn_layers={self.ffn_layers} with the gated activation "
+                             f"{self.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
+
+    def __post_init__(self):
+        self._resolve_defaults()
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
+                     "ffn_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive integer")
+        for name, valid in (
+            ("positions", POSITIONS),
+            ("norm", NORMS),
+            ("norm_position", NORM_POSITIONS),
+            ("activation", ACTIVATIONS),
+            ("attention", ATTENTIONS),
+            ("dtype", DTYPES),
+            ("param_dtype", DTYPES),
+            ("init", INITS),
+            ("linear_feature", LINEAR_FEATURES),
+        ):
+            value = getattr(self, name)
+            if value not in valid:
+                raise ValueError(f"GPTConfig.{name}={value!r}: must be one of {', '.join(valid)}")
+        for name in ("parallel_block", "bias", "tie_embeddings", "remat", "logits_bias", "scan_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be True or False")
+        for name in ("dropout", "ffn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")
+        if not self.norm_eps > 0:
+            raise ValueError(f"GPTConfig.norm_eps={self.norm_eps!r}: must be positive")
+        self._check_variants()
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"GPTConfig.positions='sinusoidal' needs an even d_model, got d_model={self.d_model}")
+        if self.parallel_block and self.norm_position == "post":
+            raise ValueError(
+                "GPTConfig.parallel_block=True with norm_position='post': the parallel block is "
+                "pre-norm (X + MHA(LN(X)) + FFN(LN(X))); set norm_position='pre'"
+            )
+        if self.attention == "cudnn" and not _has_gpu():
+            raise ValueError(
+                f"GPTConfig.attention='cudnn' needs a CUDA GPU, but JAX sees only "
+                f"{jax.default_backend()} devices: use attention='xla' or 'explicit'"
+            )
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> GPTConfig:
+        """A copy with some fields changed (validated again). d_ff, head_dim and n_kv_head that
+        hold their derived values (4·d_model, d_model/n_head, n_head) and are not changed are
+        derived again, so replace(n_head=8) gives heads of d_model/8."""
+        derived = {"d_ff": 4 * self.d_model, "head_dim": self.d_model // self.n_head, "n_kv_head": self.n_head}
+        for name, value in derived.items():
+            if name not in changes and getattr(self, name) == value:
+                changes[name] = None
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> GPTConfig:
+        """Build from a plain dict (e.g. a saved run's config); unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"GPTConfig has no field(s) {', '.join(unknown)}; valid fields: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(device.platform == "gpu" for device in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A Python or NumPy integer or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

@@ -1,0 +1,345 @@
+"""Streaming preparation of a text corpus: parallel encoding, token shards, resuming a stopped
+build, bounded memory, the prepare command, and caches of the single-file format.
+
+Each check compares with something independent of the path under test: another number of
+workers, one concatenated array, an uninterrupted build, a cache written by hand, a baseline
+process."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxgpt import data, tokenizers
+from jaxgpt.data.shards import ShardedTokens
+from jaxgpt.tokenizers import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the of and to in is that it was for on are as with his they at be this from have or by one had".split()
+
+
+def write_corpus(root: Path, documents: int, words: int, seed: int = 0) -> Path:
+    """`documents` text files of about `words` random words each (a few non-ASCII ones)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    vocabulary = WORDS + ["café", "naïve", "東京", "🙂"]
+    for i in range(documents):
+        lines = (" ".join(rng.choices(vocabulary, k=12)) for _ in range(max(1, words // 12)))
+        (root / f"doc{i:05d}.txt").write_text(f"Document {i}.\n" + "\n".join(lines) + "\n", encoding="utf-8")
+    return root
+
+
+def config(tmp_path: Path, source: Path, cache: str = "cache", **overrides) -> dict:
+    return {"source": str(source), "cache_dir": str(tmp_path / cache), "val_fraction": 0.1, "workers": 1,
+            **overrides}
+
+
+def shard_files(corpus) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(corpus.directory.glob("*.bin"))}
+
+
+def concatenated_split(corpus, split: str) -> np.ndarray:
+    """A split's tokens read straight from its shard files, in the index's order."""
+    dtype = np.dtype(corpus.meta["dtype"])
+    shards = corpus.meta["splits"][split]["shards"]
+    return np.concatenate([np.fromfile(corpus.directory / s["file"], dtype) for s in shards] or [np.empty(0, dtype)])
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"), documents=240, words=150)  # ~190 KB
+
+
+@pytest.fixture
+def encode_calls(monkeypatch):
+    calls = []
+    original = Tokenizer.encode
+
+    def spy(self, text, *args, **kwargs):
+        calls.append(text)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", spy)
+    return calls
+
+
+# --- parallel encoding -------------------------------------------------------------------------
+
+
+def test_one_and_three_workers_write_identical_shards_and_index(tmp_path, corpus_dir, encode_calls):
+    settings_ = {"tokenizer": "bpe", "vocab_size": 300, "shard_tokens": 40_000, "encode_batch_bytes": 8_000}
+    one = data.prepare(config(tmp_path, corpus_dir, "one", **settings_))
+    assert len(encode_calls) == 240  # every document, encoded here
+    encode_calls.clear()
+    three = data.prepare(config(tmp_path, corpus_dir, "three", **{**settings_, "workers": 3}))
+    assert encode_calls == []  # encoded by the worker processes, not here
+    assert one.directory.name == three.directory.name  # workers are not part of the fingerprint
+    assert shard_files(one) == shard_files(three) and len(shard_files(one)) >= 3
+    assert one.meta == three.meta
+
+
+# --- shards ------------------------------------------------------------------------------------
+
+
+def test_small_shards_hold_the_tokens_of_one_file_and_windows_cross_them(tmp_path, corpus_dir):
+    whole = data.prepare(config(tmp_path, corpus_dir, "whole"))
+    sharded = data.prepare(config(tmp_path, corpus_dir, "sharded", shard_tokens=7_000))
+    assert len(whole.meta["splits"]["train"]["shards"]) == 1
+    shards = sharded.meta["splits"]["train"]["shards"]
+    assert len(shards) > 10 and all(s["tokens"] == 7_000 for s in shards[:-1]) and shards[-1]["tokens"] <= 7_000
+    for split in ("train", "val"):
+        tokens = concatenated_split(sharded, split)
+        np.testing.assert_array_equal(tokens, np.asarray(getattr(whole, split)))
+        assert sum(s["tokens"] for s in sharded.meta["splits"][split]["shards"]) == len(tokens)
+    assert isinstance(sharded.train, ShardedTokens)
+    train = concatenated_split(sharded, "train")
+    for step in range(20):  # 20 × 16 windows of 129 tokens over 11+ seams: many cross one
+        for a, b in zip(data.train_batch(sharded.train, seed=3, step=step, batch_size=16, block_size=128),
+                        data.train_batch(train, seed=3, step=step, batch_size=16, block_size=128), strict=True):
+            np.testing.assert_array_equal(a, b)
+    for a, b in zip(data.eval_batch(sharded.train, 2, batch_size=8, block_size=1000, stride=600),
+                    data.eval_batch(train, 2, batch_size=8, block_size=1000, stride=600), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6).filter(lambda ls: sum(ls) > 0), data_=st.data())
+def test_sharded_tokens_index_like_their_concatenation(lengths, data_):
+    parts = [np.arange(sum(lengths[:i]), sum(lengths[:i + 1]), dtype=np.uint16) for i in range(len(lengths))]
+    tokens, whole = ShardedTokens(parts), np.arange(sum(lengths), dtype=np.uint16)
+    n = len(whole)
+    assert len(tokens) == n and tokens.shape == (n,) and tokens.dtype == whole.dtype
+    np.testing.assert_array_equal(np.asarray(tokens), whole)
+    start, stop, step = data_.draw(st.integers(-n - 2, n + 2)), data_.draw(st.integers(-n - 2, n + 2)), \
+        data_.draw(st.sampled_from([1, 1, 2, -1]))
+    np.testing.assert_array_equal(tokens[start:stop:step], whole[start:stop:step])
+    index = data_.draw(st.lists(st.integers(-n, n - 1), min_size=1, max_size=12))
+    np.testing.assert_array_equal(tokens[np.array(index).reshape(-1, 1)], whole[np.array(index).reshape(-1, 1)])
+    assert tokens[index[0]] == whole[index[0]]
+    with pytest.raises(IndexError):
+        tokens[np.array([n])]
+
+
+# --- resuming a stopped build ------------------------------------------------------------------
+
+KILLED = """
+import json, os, signal, sys
+from jaxgpt import data
+from jaxgpt.data import stream
+original, saves = stream._Build._save, []
+def save_then_die(self, *args):
+    original(self, *args)
+    saves.append(1)
+    if len(saves) == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs, as after a power cut
+stream._Build._save = save_then_die
+data.prepare(json.loads(sys.argv[1]))
+"""
+
+
+def killed_build(cfg: dict, after_checkpoints: int) -> Path:
+    """Run `prepare(cfg)` in a process that kills itself with SIGKILL right after writing its
+    n-th checkpoint (the first is written before any token); return its build directory."""
+    done = subprocess.run([sys.executable, "-c", KILLED, json.dumps(cfg), str(after_checkpoints)],
+                          capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    (partial,) = Path(cfg["cache_dir"]).iterdir()
+    assert partial.name.startswith(".") and partial.name.endswith(".partial")
+    return partial
+
+
+def test_a_killed_build_resumes_at_its_last_shard_and_equals_an_uninterrupted_one(tmp_path, corpus_dir,
+                                                                                   encode_calls):
+    cfg = config(tmp_path, corpus_dir, "killed", shard_tokens=5_000)
+    partial = killed_build(cfg, after_checkpoints=20)
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in partial.glob("*.bin")}
+    assert len(finished) == 19  # checkpoint k (from 2) follows shard k − 1
+    encode_calls.clear()
+    resumed = data.prepare(cfg)
+    assert 0 < len(encode_calls) < 240 * 0.7  # the documents before the checkpoint were not encoded again
+    for name, stamp in finished.items():  # kept as they were, never written again
+        path = resumed.directory / name
+        assert (path.stat().st_ino, path.stat().st_mtime_ns) == stamp
+    uninterrupted = data.prepare(config(tmp_path, corpus_dir, "straight", shard_tokens=5_000))
+    assert shard_files(resumed) == shard_files(uninterrupted)
+    assert resumed.meta == uninterrupted.meta
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == [resumed.directory.name]
+
+
+def test_a_truncated_shard_of_a_stopped_build_is_detected_and_written_again(tmp_path, corpus_dir):
+    cfg = config(tmp_path, corpus_dir, "killed", shard_tokens=5_000, tokenizer="bpe", vocab_size=280)
+    partial = killed_build(cfg, after_checkpoints=8)
+    damaged = partial / "train-00002.bin"
+    damaged.write_bytes(damaged.read_bytes()[:-10])  # a disk that lost the end of a file
+    resumed = data.prepare(cfg)
+    uninterrupted = data.prepare(config(tmp_path, corpus_dir, "straight", shard_tokens=5_000, tokenizer="bpe",
+                                        vocab_size=280))
+    assert shard_files(resumed) == shard_files(uninterrupted)
+    assert resumed.meta == uninterrupted.meta
+
+
+def test_a_second_process_waits_for_the_build_in_progress_and_never_reads_it(tmp_path, corpus_dir):
+    name = data.prepare(config(tmp_path, corpus_dir, "elsewhere")).directory.name  # the fingerprint's name
+    build = tmp_path / "cache" / f".{name}.partial"
+    build.mkdir(parents=True)
+    lock = open(build / ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as a process that is building this very cache holds it
+    stderr = open(tmp_path / "stderr.txt", "w+")
+    script = "import json, sys\nfrom jaxgpt import data\nprint(data.prepare(json.loads(sys.argv[1])).directory)"
+    waiter = subprocess.Popen([sys.executable, "-c", script, json.dumps(config(tmp_path, corpus_dir))],
+                              stdout=subprocess.PIPE, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for another process" not in (tmp_path / "stderr.txt").read_text():
+            assert waiter.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+            time.sleep(0.1)
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [build.name]  # nothing published
+    finally:
+        lock.close()  # the holder ends: the waiter takes the lock and builds
+    out, _ = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+    directory = Path(out.decode().strip())
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [name] == [directory.name]
+    assert not (directory / ".lock").exists()
+    assert shard_files(data.open_corpus(directory)) == shard_files(data.open_corpus(tmp_path / "elsewhere" / name))
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+PEAK = """
+import json, resource, sys
+from jaxgpt import data
+corpus = data.prepare(json.loads(sys.argv[1]))
+print(corpus.meta["splits"]["train"]["bytes"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def peak_memory(cfg: dict) -> tuple[int, int]:
+    """(train bytes prepared, peak resident bytes) of a process that prepares `cfg`."""
+    done = subprocess.run([sys.executable, "-c", PEAK, json.dumps(cfg)], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    text_bytes, peak = done.stdout.decode().split()[-2:]
+    return int(text_bytes), int(peak)
+
+
+def test_peak_memory_stays_bounded_whatever_the_corpus_size(tmp_path):
+    big = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "All work and no play makes Jack a dull boy. " * 230})  # ~10 KB
+    with open(big, "w", encoding="utf-8") as file:
+        for i in range(3_000):  # 30 MB, streamed one line at a time
+            file.write(line.replace("Jack", f"Jack{i}", 1) + "\n")
+    small = tmp_path / "small.jsonl"
+    small.write_text(line + "\n" + line + "\n", encoding="utf-8")
+    limits = {"tokenizer_sample_bytes": 500_000, "encode_batch_bytes": 500_000, "shard_tokens": 4_000_000}
+    _, baseline = peak_memory(config(tmp_path, small, **limits))
+    prepared, peak = peak_memory(config(tmp_path, big, **limits))
+    assert prepared > 25e6
+    # Holding the corpus would take more than its 30 MB of text; the batches and sample take a few.
+    assert peak - baseline < 12e6, f"preparing {prepared / 1e6:.0f} MB grew the process by {(peak - baseline) / 1e6} MB"
+
+
+# --- the tokenizer's sample ---------------------------------------------------------------------
+
+
+def test_the_tokenizer_learns_from_the_first_train_documents_up_to_the_sample_size(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(30):
+        (root / f"{i:02d}.txt").write_text("abc " * 50 if i < 20 else "xyz " * 50, encoding="utf-8")
+    corpus = data.prepare(config(tmp_path, root, tokenizer_sample_bytes=2_500, val_fraction=0.0))
+    sample = corpus.meta["tokenizer_sample"]
+    assert (sample["bytes"], sample["documents"], sample["limit"]) == (2_500, 13, 2_500)  # 12 × 200 bytes + 100
+    assert corpus.tokenizer.encode("xyz").count(corpus.tokenizer.unk_id) == 3  # never in the sample
+    assert corpus.tokenizer.decode(corpus.tokenizer.encode("cab a")) == "cab a"
+
+
+# --- the prepare command -----------------------------------------------------------------------
+
+
+def test_prepare_command_prepares_the_data_of_a_config_and_prints_where(tmp_path, corpus_dir):
+    cache = tmp_path / "cache"
+    done = subprocess.run([sys.executable, "-m", "jaxgpt.data.prepare", f"--config={ROOT / 'configs/default.py'}",
+                           f"--config.data.source={corpus_dir}", f"--config.data.cache_dir={cache}",
+                           "--config.data.tokenizer=char", "--config.data.workers=1"],
+                          capture_output=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    out = done.stdout.decode()
+    (directory,) = cache.iterdir()
+    corpus = data.open_corpus(directory)
+    assert f"cache: {directory}" in out
+    for split in ("train", "val"):
+        assert f"{split}: {corpus.meta['splits'][split]['tokens']:,} tokens" in out
+    assert "documents" in done.stderr.decode() and "B/s" in done.stderr.decode()  # the progress bar
+    wrong = subprocess.run([sys.executable, "-m", "jaxgpt.data.prepare", "--config.data.sourc=x"],
+                           capture_output=True, timeout=120, cwd=tmp_path)
+    assert wrong.returncode == 2 and wrong.stderr.decode().strip() == "prepare: no key 'data.sourc'; did you mean " \
+                                                                      "'data.source'?"
+
+
+# --- caches of the single-file format -----------------------------------------------------------
+
+
+def write_version_2_cache(directory: Path, train_docs: list[str], val_docs: list[str]) -> Tokenizer:
+    """A cache as jaxgpt wrote it before shards: train.bin and val.bin, one checksum each."""
+    directory.mkdir(parents=True)
+    tokenizer = tokenizers.train_tokenizer("char", train_docs)
+    tokenizer.save(directory / "tokenizer.json")
+    splits = {}
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        ids = [i for k, doc in enumerate(docs) for i in ([tokenizer.eos_id] if k else []) + tokenizer.encode(doc)]
+        content = np.asarray(ids, np.uint16).tobytes()
+        (directory / f"{split}.bin").write_bytes(content)
+        splits[split] = {"tokens": len(ids), "bytes": sum(len(d.encode()) for d in docs), "documents": len(docs),
+                         "blake2b": hashlib.blake2b(content, digest_size=16).hexdigest()}
+    meta = {"format": "jaxgpt-tokens", "version": 2, "fingerprint": "0" * 64, "source": "old", "val_source": None,
+            "val_fraction": 0.5, "max_documents": None, "max_bytes": None, "dtype": "uint16",
+            "tokenizer": {"kind": "char", "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+                          "sha256": hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest()},
+            "splits": splits}
+    (directory / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    return tokenizer
+
+
+def test_a_single_file_cache_of_version_2_still_opens(tmp_path):
+    train_docs, val_docs = ["first document", "second one"], ["held out"]
+    tokenizer = write_version_2_cache(tmp_path / "old", train_docs, val_docs)
+    corpus = data.open_corpus(tmp_path / "old", tokenizer=tokenizer)
+    eos = [tokenizer.eos_id]
+    assert np.asarray(corpus.train).tolist() == tokenizer.encode(train_docs[0]) + eos + tokenizer.encode(train_docs[1])
+    assert np.asarray(corpus.val).tolist() == tokenizer.encode(val_docs[0])
+    x, y = data.train_batch(corpus.train, seed=0, step=0, batch_size=2, block_size=8)
+    assert x.shape == y.shape == (2, 8)
+    with open(tmp_path / "old" / "train.bin", "r+b") as file:  # its checksum is still checked
+        file.seek(2)
+        file.write(np.uint16(tokenizer.eos_id).tobytes())
+    with pytest.raises(data.DataError, match=r"train.bin does not match its checksum"):
+        data.open_corpus(tmp_path / "old")
+
+
+def test_an_empty_validation_split_has_no_shard(tmp_path, corpus_dir):
+    corpus = data.prepare(config(tmp_path, corpus_dir, val_fraction=0.0))
+    assert corpus.meta["splits"]["val"] == {"documents": 0, "bytes": 0, "tokens": 0, "shards": []}
+    assert len(corpus.val) == 0 and not list(corpus.directory.glob("val-*"))
+    assert os.path.getsize(corpus.directory / "train-00000.bin") == 2 * len(corpus.train)
+
+
+def test_a_directory_of_gpt2_files_is_a_tokenizer(tmp_path, corpus_dir):
+    """data.tokenizer = a directory with vocab.json + merges.txt: the same tokens as that BPE given directly."""
+    bpe = tokenizers.BPETokenizer.train(corpus_dir.joinpath("doc00000.txt").read_text(encoding="utf-8"), 300)
+    bpe.save_gpt2(tmp_path / "gpt2")
+    given = data.prepare(config(tmp_path, corpus_dir, cache="a"), tokenizer=tokenizers.BPETokenizer.from_gpt2(
+        tmp_path / "gpt2" / "vocab.json", tmp_path / "gpt2" / "merges.txt"))
+    named = data.prepare(config(tmp_path, corpus_dir, cache="b", tokenizer=str(tmp_path / "gpt2")))
+    assert shard_files(named) == shard_files(given) and len(shard_files(named)) == 2

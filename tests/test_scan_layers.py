@@ -1,0 +1,110 @@
+"""model.scan_layers: the blocks as one nn.scan over stacked params compute the loop's function:
+the same logits, loss, gradients and KV-cache decode (within 1e-6) from the same params in the
+other layout, and the layouts convert both ways (params and the optimizer state)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_model import decode_step_by_step, forward, random_params, tiny, tokens
+from test_run import corpus  # noqa: F401, F811  (the fixture)
+
+from jaxgpt import GPT, ops
+from jaxgpt.model import layers_as, stack_layers, unstack_layers
+
+CASES = [
+    {"positions": "learned", "n_layer": 2},
+    {"positions": "sinusoidal", "n_layer": 3},
+    {"positions": "rope", "n_layer": 2},
+    {"positions": "alibi", "n_layer": 3},
+    {"positions": "none", "n_layer": 2},
+    {"positions": "rope", "n_layer": 3, "attention": "linear"},
+    {"positions": "learned", "n_layer": 3, "remat": True, "n_head": 4, "n_kv_head": 2},
+]
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
+
+
+def loss(cfg, params, x):
+    logits = GPT(cfg).apply({"params": params}, x[:, :-1])
+    return ops.cross_entropy(logits, x[:, 1:])
+
+
+@pytest.mark.parametrize("changes", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_scan_computes_the_loop(changes):
+    loop = tiny(**changes)
+    scan = loop.replace(scan_layers=True)
+    params = random_params(loop)
+    stacked = layers_as(params, scan)
+    x = tokens(loop, 2, 11)
+    close(forward(scan, stacked, x), forward(loop, params, x))
+
+    grad = lambda cfg, p: jax.jit(jax.value_and_grad(lambda q: loss(cfg, q, x)))(p)  # noqa: E731
+    (loop_loss, loop_grads), (scan_loss, scan_grads) = grad(loop, params), grad(scan, stacked)
+    close(scan_loss, loop_loss)
+    jax.tree.map(close, unstack_layers(scan_grads), loop_grads)
+
+    for prompt_length in (5,):
+        close(decode_step_by_step(scan, stacked, x, prompt_length, loop.block_size),
+              decode_step_by_step(loop, params, x, prompt_length, loop.block_size))
+
+
+def test_scan_initialises_stacked_params_of_the_loops_shapes():
+    loop = tiny(n_layer=3)
+    scan = loop.replace(scan_layers=True)
+    init = jax.eval_shape(lambda: GPT(scan).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    assert "h" in init and not any(key.startswith("h_") for key in init)
+    params = random_params(loop)
+    want = jax.eval_shape(lambda: stack_layers(params))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), init) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+
+
+def test_layouts_convert_both_ways_params_and_optimizer_state():
+    cfg = tiny(n_layer=3)
+    params = random_params(cfg)
+    state = optax.adamw(1e-3).init(params)
+    stacked = stack_layers(state)
+    assert jax.tree.structure(stacked[0].mu) == jax.tree.structure(stack_layers(params))
+    np.testing.assert_array_equal(stacked[0].mu["h"]["attn"]["c_attn"]["kernel"].shape[0], 3)
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stack_layers(params)), params)
+    jax.tree.map(np.testing.assert_array_equal, layers_as(layers_as(params, cfg.replace(scan_layers=True)), cfg),
+                 params)
+
+
+def test_stacked_blocks_shard_as_the_loops_with_the_layer_axis_whole():
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxgpt.sharding import leaf_spec
+
+    mesh = AbstractMesh((1, 2, 2), ("data", "fsdp", "tensor"))
+    cfg = tiny(n_layer=3, n_head=4, d_model=16)
+    params = random_params(cfg)
+    loop = jax.tree_util.tree_flatten_with_path(params["h_0"])[0]
+    stacked = dict(jax.tree_util.tree_flatten_with_path(stack_layers(params)["h"])[0])
+    specs = 0
+    for path, leaf in loop:
+        name = "/".join(k.key for k in path)
+        spec = leaf_spec(f"params/h_0/{name}", leaf.shape, mesh)
+        specs += spec != P()
+        assert leaf_spec(f"params/h/{name}", stacked[path].shape, mesh) == P(None, *spec), name
+    assert specs >= 4  # the rules did place the matrices
+
+
+def test_a_scanned_run_resumes_and_refuses_the_other_layout(tmp_path, corpus):  # noqa: F811
+    from test_run import assert_trees_close, final_params, tiny_config
+
+    from jaxgpt.errors import TrainingError
+    from jaxgpt.run import train
+
+    scanned = {"model.scan_layers": True, "model.n_layer": 2}
+    train(tiny_config(tmp_path, corpus, "split", **scanned, **{"train.steps": 3}))
+    resumed = train(tiny_config(tmp_path, corpus, "split", **scanned))
+    whole = train(tiny_config(tmp_path, corpus, "whole", **scanned))
+    assert resumed["step"] == whole["step"] == 6
+    assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-6)
+    with pytest.raises(TrainingError, match=r"checkpoints hold the blocks stacked \(model.scan_layers=True\)"):
+        train(tiny_config(tmp_path, corpus, "split", **{**scanned, "model.scan_layers": False, "train.steps": 8}))
