@@ -5,6 +5,7 @@ import functools
 import itertools
 import json
 import math
+import re
 from collections import Counter
 from fractions import Fraction
 
@@ -174,6 +175,55 @@ def test_unigram_viterbi_is_the_best_segmentation_by_brute_force(text):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+@fast
+@given(text=st.text(alphabet="abc \n", max_size=14))
+def test_unigram_pieces_without_line_breaks_encode_as_when_line_breaks_cut_segments(text):
+    # Files written before pieces could hold line breaks: encoding a text whole gives the ids
+    # of its old segments (line-break runs apart) one after the other.
+    tokenizer = hand_unigram()
+    old_segments = re.findall(r" *[^ \n]+| +|\n+", text)
+    assert tokenizer.encode(text) == [i for segment in old_segments for i in tokenizer.encode(segment)]
+
+
+def naive_substring_counts(runs, max_len):
+    counts = Counter()
+    for run, weight in runs.items():
+        for i in range(len(run)):
+            for j in range(i + 2, min(len(run), i + max_len) + 1):
+                counts[run[i:j]] += weight
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unigram_seed_is_the_best_substrings_by_count_times_length(seed):
+    rng = np.random.default_rng(seed)
+    runs = Counter({"".join(rng.choice(list("ab▁\nc"), size=rng.integers(1, 12))): int(rng.integers(1, 5))
+                    for _ in range(40)})
+    counts = naive_substring_counts(runs, 5)
+    for n in (1, 7, 30, len(counts) + 3):
+        want = sorted(counts, key=lambda s: (-counts[s] * len(s), s))[:n]
+        got = unigram._seed(runs, n, 5)
+        assert list(got) == want
+        assert got == {s: counts[s] for s in want}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unigram_lattice_holds_every_occurrence_of_every_piece(seed):
+    rng = np.random.default_rng(seed)
+    strings = ["".join(rng.choice(list("abc\0▁"), size=rng.integers(0, 10))) for _ in range(25)]
+    pieces = sorted({s[i:j] for s in strings for i in range(len(s)) for j in range(i + 1, len(s) + 1)})
+    pieces = [p for p in pieces if rng.random() < 0.5] + ["zz", "abcabcabc"]
+    piece_id = {p: i for i, p in enumerate(pieces)}
+    lattice = unigram._lattice(strings, np.ones(len(strings)), piece_id, 4)
+    got = sorted(zip(lattice.string.tolist(), (lattice.frm - lattice.start[lattice.string]).tolist(),
+                     (lattice.to - lattice.frm).tolist(), lattice.piece.tolist(), strict=True))
+    want = sorted((s, i, j - i, piece_id[string[i:j]]) for s, string in enumerate(strings)
+                  for i in range(len(string)) for j in range(i + 1, min(len(string), i + 4) + 1)
+                  if string[i:j] in piece_id)
+    assert got == want
+    assert (lattice.end - lattice.start).tolist() == [len(s) for s in strings]
+
+
 def test_unigram_lattice_matches_brute_force_expectations():
     # The training lattice: forward-backward expected counts and log-likelihood, and the
     # vectorised Viterbi, against sums over every segmentation.
@@ -259,6 +309,14 @@ def test_unigram_makes_each_word_of_a_repetitive_text_one_piece():
     tokenizer = UnigramTokenizer.train(" ".join(["hello world"] * 51), vocab_size=4 + 8 + 4)
     names = [tokenizer.pieces[i - 4][0] for i in tokenizer.encode(" hello world")]
     assert names == ["▁hello", "▁world"]
+
+
+def test_unigram_pieces_may_hold_line_breaks():
+    # 9 characters + 1 piece: 50 of the 52 segments are "▁world\nhello" (the text's line
+    # breaks are ordinary characters, as in SentencePiece), so that is the piece to keep.
+    tokenizer = UnigramTokenizer.train("\n".join(["hello world"] * 51), vocab_size=4 + 9 + 1)
+    names = [tokenizer.pieces[i - 4][0] for i in tokenizer.encode(" world\nhello")]
+    assert names == ["▁world\nhello"]
 
 
 # --- both kinds: round trips, specials, files ---------------------------------------
