@@ -2,12 +2,14 @@
 
     python bench/bench_train.py                 # both shapes, ~2 minutes
     python bench/bench_train.py --recipe        # also the full CPU recipe: val loss at step 2000
+    python bench/bench_train.py --loop 3        # train.py's steady tokens/s against the step-only rate
 
 Each shape runs in its own process (so peak RSS is its own): the jitted train step of
-jaxgpt.training on real Tiny Shakespeare batches from jaxgpt.data with the prefetching
-loader, after one compile. MFU = flops_per_token × tokens/s ÷ the fp32 matmul peak measured
-in the same process. nanoGPT's numbers on this machine (PyTorch 2.13, CPU) are in the
-table for the ratio.
+jaxgpt.training, as train.py runs it, on real Tiny Shakespeare batches from jaxgpt.data with
+the prefetching loader, after one compile: the step-only rate, which train.py's steady
+tokens/s should match. MFU = flops_per_token × tokens/s ÷ the fp32 matmul peak measured in
+the same process. For a comparison with nanoGPT, whole runs side by side on this machine,
+see bench/bench_vs_nanogpt.py.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 SHAPES = {
-    # name: (config file, rows per micro-batch, micro-batches per step, steps to time,
-    #        nanoGPT tokens/s here, targets)
-    "cpu_recipe": ("shakespeare_char_cpu", 12, 1, 100, 17_000, {"tokens_per_sec": 25_000}),
+    # name: (config file, rows per micro-batch, micro-batches per step, steps to time, targets)
+    "cpu_recipe": ("shakespeare_char_cpu", 12, 1, 100, {"tokens_per_sec": 25_000}),
     # batch 64 as 4 accumulated micro-batches of 16: the same update, a quarter of the memory
-    "baby_gpt": ("shakespeare_char", 16, 4, 3, 1_680, {"mfu": 0.75, "rss_gib": 3.5}),
+    "baby_gpt": ("shakespeare_char", 16, 4, 3, {"mfu": 0.75, "rss_gib": 3.5}),
 }
 
 
@@ -44,13 +45,13 @@ def measure(shape: str) -> dict:
 
     from jaxgpt import data, sharding
     from jaxgpt.config import TrainConfig
-    from jaxgpt.metrics import measure_matmul_peak
+    from jaxgpt.metrics import IN_FLIGHT, measure_matmul_peak
     from jaxgpt.model import flops_per_token
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
     from jaxgpt.run import model_config
-    from jaxgpt.training import make_train_step, sharded_init
+    from jaxgpt.training import make_train_step, seeded, sharded_init
 
-    config_name, micro_batch, accum, steps, _, _ = SHAPES[shape]
+    config_name, micro_batch, accum, steps, _ = SHAPES[shape]
     batch_size = micro_batch * accum
     config = load_config(config_name)
     sharding.use_cpu_cores(config.mesh, [micro_batch])  # as train.py does: one device per core
@@ -60,9 +61,9 @@ def measure(shape: str) -> dict:
     tc = TrainConfig.from_mapping(config.train)
     mesh = sharding.make_mesh(config.mesh)
     optimizer = make_optimizer(tc)
-    state, shardings = sharded_init(cfg, optimizer, jax.random.key(0), mesh)
+    state, shardings = sharded_init(cfg, optimizer, tc.seed, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
-    step_fn = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(tc), accum),
+    step_fn = jax.jit(seeded(make_train_step(cfg, optimizer, learning_rate_schedule(tc), accum)),
                       in_shardings=(shardings, (batch_sharding, batch_sharding), None),
                       out_shardings=(shardings, None), donate_argnums=0)
 
@@ -73,15 +74,18 @@ def measure(shape: str) -> dict:
     with data.DeviceBatches(make_batch, start_step=0, end_step=steps + 2, batch_size=batch_size,
                             sharding=batch_sharding) as batches:
         _, first = next(batches)
-        key = jax.random.key(0)
         start = time.perf_counter()
-        compiled = step_fn.lower(state, first, key).compile()
+        compiled = step_fn.lower(state, first, tc.seed).compile()
         compile_s = time.perf_counter() - start
-        state, metrics = compiled(state, first, key)  # warm-up
+        state, metrics = compiled(state, first, tc.seed)  # warm-up
         jax.block_until_ready(metrics)
         start = time.perf_counter()
-        for step, batch in batches:
-            state, metrics = compiled(state, batch, jax.random.fold_in(key, step))
+        in_flight = []
+        for _, batch in batches:
+            state, metrics = compiled(state, batch, tc.seed)
+            in_flight.append(metrics)
+            if len(in_flight) > IN_FLIGHT:  # as train.py's loop: a few steps ahead, not all of them
+                jax.block_until_ready(in_flight.pop(0))
         jax.block_until_ready(metrics)
         elapsed = time.perf_counter() - start
     timed = steps + 1
@@ -115,14 +119,56 @@ def recipe() -> dict:
     return {"val_loss": result["val_loss"], "minutes": (time.perf_counter() - start) / 60, "run_dir": config.run_dir}
 
 
+def loop(steps: int = 300) -> dict:
+    """The CPU recipe through train() (the whole loop: prefetch, logging, the NaN guard),
+    evaluating and saving only at the end: the median tokens/s of its log intervals after
+    the first (which holds the compile)."""
+    import statistics
+    import tempfile
+
+    from absl import logging
+
+    from jaxgpt import sharding
+    from jaxgpt.metrics import read_metrics
+    from jaxgpt.run import train
+
+    logging.set_verbosity(logging.ERROR)
+    config = load_config("shakespeare_char_cpu")
+    config.data.source = str(DATA)
+    config.run_dir = tempfile.mkdtemp(prefix="jaxgpt-loop-")
+    config.train.update(steps=steps, eval_every=steps, ckpt_every=steps, eval_max_batches=1)
+    config.sample.max_new_tokens = 0
+    sharding.start_jax(config)
+    train(config)
+    records = read_metrics(config.run_dir)
+    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in records[1:])}
+
+
+def compare_loop(pairs: int, child) -> None:
+    """train.py's loop against the step-only rate of the same config, alternating."""
+    import statistics
+
+    ratios = []
+    for _ in range(pairs):
+        step_only, whole = child("cpu_recipe")["tokens_per_sec"], child("loop")["tokens_per_sec"]
+        ratios.append(whole / step_only)
+        print(f"cpu_recipe: step-only {step_only:,.0f} tokens/s, train.py's loop {whole:,.0f} tokens/s")
+    ratio = statistics.median(ratios)
+    print(f"train.py's loop / step-only: {ratio:.3f} (median of {pairs}; target ≥ 0.95: "
+          f"{'ok' if ratio >= 0.95 else 'MISSED'})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe", "loop"], help=argparse.SUPPRESS)
     parser.add_argument("--recipe", action="store_true", help="also train the CPU recipe for 2000 steps")
     parser.add_argument("--shapes", nargs="*", default=sorted(SHAPES))
+    parser.add_argument("--loop", type=int, default=0, metavar="PAIRS",
+                        help="also time train.py's loop against the step-only rate, PAIRS times each")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(recipe() if args.child == "recipe" else measure(args.child)))
+        children = {"recipe": recipe, "loop": loop}
+        print(json.dumps(children[args.child]() if args.child in children else measure(args.child)))
         return
 
     def child(name):
@@ -133,9 +179,9 @@ def main() -> None:
 
     rows = [child(name) for name in args.shapes]
     print(f"{'shape':<11} {'dev':>3} {'batch':>5} {'tokens/s':>9} {'ms/step':>8} {'MFU':>6} {'peak':>6} {'RSS GiB':>8} "
-          f"{'compile s':>9} {'vs nanoGPT':>10}  targets")
+          f"{'compile s':>9}  targets")
     for r in rows:
-        *_, nano, targets = SHAPES[r["shape"]]
+        *_, targets = SHAPES[r["shape"]]
         verdicts = []
         for key, target in targets.items():
             ok = r[key] <= target if key == "rss_gib" else r[key] >= target
@@ -143,8 +189,10 @@ def main() -> None:
         verdicts.append(f"compile < 15 s: {'ok' if r['compile_s'] < 15 else 'MISSED'}")
         print(f"{r['shape']:<11} {r['devices']:>3} {r['batch']:>5} {r['tokens_per_sec']:>9,.0f} "
               f"{r['ms_per_step']:>8.1f} "
-              f"{r['mfu']:>6.1%} {r['peak_gflops']:>4.0f}GF {r['rss_gib']:>8.2f} {r['compile_s']:>9.1f} "
-              f"{r['tokens_per_sec'] / nano:>9.2f}x  {'; '.join(verdicts)}")
+              f"{r['mfu']:>6.1%} {r['peak_gflops']:>4.0f}GF {r['rss_gib']:>8.2f} {r['compile_s']:>9.1f}  "
+              f"{'; '.join(verdicts)}")
+    if args.loop:
+        compare_loop(args.loop, child)
     if args.recipe:
         r = child("recipe")
         print(f"CPU recipe, 2000 steps: val loss {r['val_loss']:.4f} (nanoGPT: 1.886; target ≤ 1.89: "

@@ -9,6 +9,7 @@ measure a split's targets for that.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 
@@ -65,18 +66,23 @@ def _evaluate(model_cfg, params, make_batch, count_batches, batch_size, bytes_pe
     eval_step = _EVAL_STEPS[model_cfg]
     if batch_sharding is None:
         batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    loss_sum, count, ignored = 0.0, 0.0, 0
+    sums = np.zeros(3)  # Σ loss, count, ignored
+    in_flight: collections.deque = collections.deque()
     with data.DeviceBatches(make_batch, start_step=0, end_step=count_batches, batch_size=batch_size,
                             sharding=batch_sharding) as batches:
         for index, (x, y, m, *packed) in batches:
-            s, c, i = eval_step(params, x, y, m, -1 if ignore_id is None else ignore_id, *packed)  # ids are ≥ 0
-            loss_sum, count, ignored = loss_sum + float(s), count + float(c), ignored + int(i)
-            if on_batch:
-                on_batch(index + 1, count_batches)
+            in_flight.append((index, eval_step(params, x, y, m, -1 if ignore_id is None else ignore_id, *packed)))
+            # read each batch's sums once the next batch is on its way: the devices never wait
+            while len(in_flight) > (1 if index + 1 < count_batches else 0):
+                done, results = in_flight.popleft()
+                sums += np.asarray(jax.device_get(results), np.float64)
+                if on_batch:
+                    on_batch(done + 1, count_batches)
+    loss_sum, count, ignored = sums
     loss = loss_sum / max(count, 1.0)
     result = {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
               "val_bpb": data.bits_per_byte(loss, bytes_per_token), "val_tokens": int(count)}
-    return result if ignore_id is None else {**result, "val_ignored": ignored}
+    return result if ignore_id is None else {**result, "val_ignored": int(ignored)}
 
 
 def _ignoring_step(model_cfg: GPTConfig):

@@ -3,14 +3,16 @@ records written to metrics.jsonl, TensorBoard and the progress bar.
 
     MFU = (FLOPs per token · tokens per second) / peak FLOP/s
 
-The peak is train.peak_flops when configured; on a CPU without one it is measured (the best
-of a few timings of a large matmul).
+The peak is train.peak_flops when configured; on a CPU without one it is measured once per
+machine (the best of a few timings of a large matmul) and kept in the user's cache directory.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import sys
 import time
 import warnings
@@ -19,14 +21,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+PEAK_FILE = "peak_flops.json"
+# Steps the host may dispatch ahead of the devices. A few keep them busy; dozens queued on a
+# mesh of CPU devices can stall XLA's collectives for good (jaxlib 0.10: a step's all-reduce
+# waits forever for one device), so the meter waits for the step this far back.
+IN_FLIGHT = 4
 
 
 def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, seconds: float = 0.5, trials: int = 5) -> float:
     """FLOP/s of a large square matmul on the default device: the CPU's practical peak, the
     best of `trials` timings (each `seconds`/`trials` long) so a busy moment does not lower it."""
-    a = jnp.ones((n, n), dtype)
+    a = jax.device_put(np.ones((n, n), dtype))  # made on the host: no program of its own
     matmul = jax.jit(lambda x, y: x @ y)
     matmul(a, a).block_until_ready()
     best = 0.0
@@ -39,46 +47,100 @@ def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, seconds: float = 0.5, 
     return best
 
 
-def peak_flops(configured: float | None) -> float | None:
+def peak_cache_path(environ=os.environ) -> Path:
+    """Where measured peaks are kept: $XDG_CACHE_HOME/jaxgpt/peak_flops.json (~/.cache/…)."""
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxgpt" / PEAK_FILE
+
+
+def machine_key(dtype=jnp.float32) -> str:
+    """What a measured peak depends on: the CPU model, the cores this process may use, the
+    JAX version and the dtype."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model} | {cores} cores | jax {jax.__version__} | {jnp.dtype(dtype).name}"
+
+
+def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32) -> float:
+    """measure_matmul_peak once per machine: the value is kept in `path` (peak_cache_path())
+    under machine_key(dtype), and read from there by every later run. An unreadable file
+    is measured anew and rewritten."""
+    path = Path(path or peak_cache_path())
+    key = machine_key(dtype)
+    try:
+        peaks = json.loads(path.read_text())
+        if isinstance(peaks.get(key), (int, float)) and peaks[key] > 0:
+            return float(peaks[key])
+    except (OSError, ValueError, AttributeError):  # none yet, or not JSON, or not an object
+        peaks = {}
+    peaks[key] = measure_matmul_peak(dtype)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(peaks, indent=1))
+        partial.replace(path)  # whole or not at all, however many processes write it
+    except OSError:  # a read-only home: measured again next time, nothing worse
+        pass
+    return peaks[key]
+
+
+def peak_flops(configured: float | None, cache: Path | None = None) -> float | None:
     """The peak FLOP/s for MFU: train.peak_flops (per device; on a CPU, whose devices share its
-    cores, per host) times the devices or hosts; on a CPU with none configured, measured."""
+    cores, per host) times the devices or hosts; on a CPU with none configured, measured
+    once per machine (cached_matmul_peak, kept in `cache`)."""
     on_cpu = jax.default_backend() == "cpu"
     if configured:
         return float(configured) * (jax.process_count() if on_cpu else jax.device_count())
-    return measure_matmul_peak() if on_cpu else None
+    return cached_matmul_peak(cache) if on_cpu else None
 
 
 class Meter:
     """Step metrics on their way from the devices to a record.
 
-    `add` keeps each step's metrics on the device (fetching them every step would make the
-    host wait for the devices); `fetch` brings the pending ones over; `record` averages the
-    losses fetched since the last record and adds throughput and MFU over that interval;
-    `restart_clock` leaves evaluation and saving out of the next interval's time."""
+    `add` keeps each step's metrics on the device and starts their copy to the host (and
+    waits for the step IN_FLIGHT steps back, never letting the host run further ahead);
+    `fetch` brings the pending ones over, up to a given step, so the loop can read step n's
+    metrics after it has dispatched step n + 1 and the devices never wait for the host;
+    `record` averages the losses fetched since the last record and adds throughput and MFU
+    over that interval, which ends when its last step's metrics arrived; `restart_clock`
+    leaves evaluation and saving out of the next interval's time."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None):
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.pending: list[tuple[int, Any]] = []
         self.losses: list[float] = []
         self.last = {"loss": math.nan, "grad_norm": math.nan, "lr": math.nan}
-        self.run_start = self.interval_start = time.perf_counter()
+        self.run_start = self.interval_start = self.fetched_at = time.perf_counter()
 
-    def add(self, step: int, metrics: Any) -> None:
+    def add(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        for value in metrics.values():
+            value.copy_to_host_async()
         self.pending.append((step, metrics))
+        if len(self.pending) > IN_FLIGHT:
+            jax.block_until_ready(self.pending[-IN_FLIGHT - 1][1])
 
-    def fetch(self) -> list[tuple[int, dict[str, float]]]:
-        """The pending steps' metrics as floats, in step order."""
-        fetched = [(step, {k: float(v) for k, v in jax.device_get(m).items()}) for step, m in self.pending]
-        self.pending = []
-        for _, values in fetched:
-            self.losses.append(values["loss"])
-            self.last.update(values)
+    def fetch(self, through: int | None = None) -> list[tuple[int, dict[str, float]]]:
+        """The pending steps' metrics up to step `through` (all when None) as floats, in step
+        order; waits for those steps, not for later ones."""
+        count = sum(1 for step, _ in self.pending if through is None or step <= through)
+        due, self.pending = self.pending[:count], self.pending[count:]
+        values = jax.device_get([m for _, m in due])
+        self.fetched_at = time.perf_counter()
+        fetched = [(step, {k: float(v) for k, v in m.items()}) for (step, _), m in zip(due, values, strict=True)]
+        for _, m in fetched:
+            self.losses.append(m["loss"])
+            self.last.update(m)
         return fetched
 
     def record(self, step: int) -> dict[str, Any]:
-        """The record of the interval that ends at `step` (fetch first)."""
-        now = time.perf_counter()
-        tokens_per_sec = len(self.losses) * self.tokens_per_step / max(now - self.interval_start, 1e-9)
+        """The record of the interval that ends at `step` (fetch through it first); the next
+        interval starts where this one ended."""
+        seconds = max(self.fetched_at - self.interval_start, 1e-9)
+        tokens_per_sec = len(self.losses) * self.tokens_per_step / seconds
         record = {
             "step": step,
             "train_loss": sum(self.losses) / max(len(self.losses), 1),
@@ -86,16 +148,15 @@ class Meter:
             "grad_norm": self.last["grad_norm"],
             "tokens_per_sec": tokens_per_sec,
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
-            "elapsed": now - self.run_start,
+            "elapsed": self.fetched_at - self.run_start,
             "tokens_seen": step * self.tokens_per_step,
         }
+        self.losses, self.interval_start = [], self.fetched_at
         return record
 
-    def restart_clock(self) -> int:
-        """Start the next interval now; returns how many steps the last one had."""
-        steps, self.losses = len(self.losses), []
+    def restart_clock(self) -> None:
+        """Start the next interval now: what happened since the last fetch is not training."""
         self.interval_start = time.perf_counter()
-        return steps
 
 
 class MetricsLog:
@@ -112,9 +173,13 @@ class MetricsLog:
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not enabled, file=sys.stderr, mininterval=0.5)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, progress: bool = False) -> None:
+        """Append the record to metrics.jsonl and TensorBoard; with `progress`, also move the
+        bar to its step and show it there."""
         if not self.enabled:
             return
+        if progress:
+            self.progress(record)
         self.file.write((json.dumps(record) + "\n").encode())  # one write of a whole line
         self.file.flush()
         if self.tensorboard is not None:
@@ -122,13 +187,16 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, record["step"])
 
-    def progress(self, steps: int, record: dict) -> None:
-        """Advance the bar by `steps` and show the record's loss, lr, tokens/s and MFU."""
-        self.bar.update(steps)
+    def progress(self, record: dict) -> None:
+        """Move the bar to the record's step and show its loss, lr, tokens/s and MFU."""
+        self.bar.update(record["step"] - self.bar.n)
         fields = {"loss": f"{record['train_loss']:.4f}", "lr": f"{record['lr']:.2e}",
                   "tok_s": f"{record['tokens_per_sec']:,.0f}"}
         if record["mfu"] is not None:
             fields["mfu"] = f"{record['mfu']:.1%}"
+        for key, short in (("eval_seconds", "eval_s"), ("checkpoint_seconds", "ckpt_s")):
+            if key in record:
+                fields[short] = f"{record[key]:.2f}"
         self.bar.set_postfix(fields, refresh=False)
 
     def message(self, text: str) -> None:

@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import flops_per_token, param_count
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
-from jaxgpt.training import TrainState, make_train_step, sharded_init
+from jaxgpt.training import TrainState, make_train_step, seeded, sharded_init
 
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train"]
 
@@ -234,7 +235,8 @@ def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
 
 def init_or_restore(run: Run, optimizer, key) -> tuple[TrainState, TrainState, int]:
     """(state, its shardings, the step to start at): restored from the newest intact
-    checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from)."""
+    checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from).
+    `key` is a PRNG key or an integer seed."""
     state, shardings = sharded_init(run.model, optimizer, key, run.mesh)
     if run.resuming:
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -247,11 +249,13 @@ def init_or_restore(run: Run, optimizer, key) -> tuple[TrainState, TrainState, i
 
 
 def compile_train_step(run: Run, optimizer, shardings: TrainState):
+    """train_step(state, batch, seed), jitted: the step's dropout key, fold_in(key(seed),
+    state.step), is made inside it, so the loop runs one program per step and nothing else."""
     batches = sharding.batch_sharding(run.mesh)
     fields = 5 if run.corpus.records else 2  # (inputs, targets[, mask, positions, segments])
     step = make_train_step(run.model, optimizer, learning_rate_schedule(run.train), run.train.grad_accum)
-    return jax.jit(step, in_shardings=(shardings, (batches,) * fields, None), out_shardings=(shardings, None),
-                   donate_argnums=0)
+    return jax.jit(seeded(step), in_shardings=(shardings, (batches,) * fields, None),
+                   out_shardings=(shardings, None), donate_argnums=0)
 
 
 def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
@@ -327,11 +331,15 @@ def train(config) -> dict:
 
 
 def _train(run: Run, stop: StopRequested) -> dict:
-    """The loop: init or restore, then for each step train, log, evaluate and save."""
+    """The loop: init or restore, then for each step train, log, evaluate and save.
+
+    A log step's metrics are read once the next step is dispatched, so the devices never
+    wait for the host; the steps that evaluate or save read theirs at once (they need that
+    step's state, which the next step consumes), and never save before every step's loss so
+    far was found finite."""
     tc = run.train
     optimizer = make_optimizer(tc)
-    key = jax.random.key(tc.seed)
-    state, shardings, start_step = init_or_restore(run, optimizer, key)
+    state, shardings, start_step = init_or_restore(run, optimizer, tc.seed)
     train_step = compile_train_step(run, optimizer, shardings)
     tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
@@ -340,28 +348,23 @@ def _train(run: Run, stop: StopRequested) -> dict:
     log.message(_announcement(run, start_step, tokens_per_step, meter.peak))
     for split, layout in (run.layouts or {}).items():
         log.message(f"jaxgpt: records, {layout.summary(split)}")
-    step, last_val, interrupted = start_step, None, stop.signal_name  # a signal while starting: no step
+    step, last_val, interrupted, deferred = start_step, None, stop.signal_name, None  # a signal while starting: no step
     with train_batches(run, start_step if not interrupted else tc.steps) as batches:
         try:
             for _, batch in batches:
-                state, step_metrics = train_step(state, batch, jax.random.fold_in(key, step))
+                state, step_metrics = train_step(state, batch, tc.seed)
                 run.checkpoints.check_saves()
                 step += 1
                 meter.add(step, step_metrics)
+                if deferred:  # the last log step's record, read while this step runs
+                    log.write(_fetched_record(run, meter, deferred, state), progress=True)
+                    deferred = None
                 stopping = stop.signal_name  # read once: a signal arriving later is seen next step
                 do_eval = step == tc.steps or step % tc.eval_every == 0
-                do_save = do_eval or step % tc.ckpt_every == 0 or stopping
-                if do_save or step % tc.log_every == 0:
-                    _check_finite(meter.fetch(), run, state)
-                    record = meter.record(step)
-                    if do_eval:
-                        last_val = evaluate(run, state.params)
-                        record.update(last_val)
-                        log.message(_evaluation_line(step, record))
-                    log.write(record)
-                    if do_save:
-                        _save(run, step, state, last_val["val_loss"] if do_eval else None)
-                    log.progress(meter.restart_clock(), record)  # evaluation and saving are not training time
+                if do_eval or step % tc.ckpt_every == 0 or stopping:
+                    last_val = _evaluate_and_save(run, log, meter, step, state, do_eval) or last_val
+                elif step % tc.log_every == 0:
+                    deferred = step
                 if stopping:
                     interrupted = stopping
                     break
@@ -374,6 +377,35 @@ def _train(run: Run, stop: StopRequested) -> dict:
         print(_stopped_line(run, interrupted, step), file=sys.stderr)
     return {"step": step, "train_loss": meter.last["loss"], "interrupted": interrupted,
             "run_dir": str(run.directory), **(last_val or {})}
+
+
+def _fetched_record(run: Run, meter: metrics.Meter, step: int, state: TrainState) -> dict:
+    """The record of `step`, its metrics and those before it fetched and found finite."""
+    _check_finite(meter.fetch(through=step), run, state)
+    return meter.record(step)
+
+
+def _evaluate_and_save(run: Run, log: metrics.MetricsLog, meter: metrics.Meter, step: int, state: TrainState,
+                       do_eval: bool) -> dict | None:
+    """At a step that saves (and perhaps evaluates): its record, with the seconds evaluation
+    and saving held the loop (eval_seconds, checkpoint_seconds), which count in no interval's
+    tokens/s. Returns the validation metrics when it evaluated."""
+    record = _fetched_record(run, meter, step, state)
+    val = None
+    if do_eval:
+        start = time.perf_counter()
+        val = evaluate(run, state.params)
+        record.update(val, eval_seconds=time.perf_counter() - start)
+    start = time.perf_counter()
+    try:
+        _save(run, step, state, val["val_loss"] if val else None)
+        record["checkpoint_seconds"] = time.perf_counter() - start
+        if do_eval:
+            log.message(_evaluation_line(step, record))
+    finally:  # written even when the save refuses a non-finite state
+        log.write(record, progress=True)
+    meter.restart_clock()
+    return val
 
 
 def _check_finite(fetched: list[tuple[int, dict]], run: Run, state: TrainState) -> None:
@@ -425,7 +457,8 @@ def _start(run: Run, start_step: int) -> str:
 
 def _evaluation_line(step: int, record: dict[str, Any]) -> str:
     return (f"step {step}: train loss {record['train_loss']:.4f}, val loss {record['val_loss']:.4f}, "
-            f"val ppl {record['val_ppl']:.2f}, val bpb {record['val_bpb']:.3f}")
+            f"val ppl {record['val_ppl']:.2f}, val bpb {record['val_bpb']:.3f}; {record['tokens_per_sec']:,.0f} "
+            f"tokens/s, evaluation {record['eval_seconds']:.2f} s, checkpoint {record['checkpoint_seconds']:.2f} s")
 
 
 def _stopped_line(run: Run, interrupted: str, step: int) -> str:

@@ -2,6 +2,7 @@
 
     state = (step, params, opt_state)
     train_step(state, batch, key) -> (state', metrics)    one optimizer update, jitted, donated
+    seeded(train_step)(state, batch, seed)                 the same, its key made from (seed, step)
     eval_step(params, inputs, targets, mask[, positions, segments]) -> (Σ loss, Σ count)
 
 A batch is (inputs, targets) windows of a token stream, or (inputs, targets, mask,
@@ -86,6 +87,16 @@ def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformatio
     return train_step
 
 
+def seeded(train_step: Callable) -> Callable:
+    """train_step(state, batch, seed) of a train_step(state, batch, key): the step's key is
+    fold_in(key(seed), state.step), made inside the step's own program (a loop that made it
+    on the host would run two small programs per step)."""
+    def seeded_step(state: TrainState, batch, seed):
+        return train_step(state, batch, jax.random.fold_in(as_key(seed), state.step))
+
+    return seeded_step
+
+
 def make_eval_step(model_cfg: GPTConfig):
     """eval_step(params, inputs, targets, mask, positions=None, segments=None) -> (Σ of the
     masked targets' losses, their count)."""
@@ -102,14 +113,27 @@ def make_eval_step(model_cfg: GPTConfig):
 
 
 def init_state(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, key) -> TrainState:
-    params = GPT(model_cfg).init(key, jnp.zeros((1, model_cfg.block_size), jnp.int32))["params"]
+    """A fresh train state; `key` is a PRNG key or an integer seed (its key is made here, in
+    the caller's program, rather than by programs of its own)."""
+    params = GPT(model_cfg).init(as_key(key), jnp.zeros((1, model_cfg.block_size), jnp.int32))["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
+def as_key(key_or_seed) -> jax.Array:
+    """A PRNG key as it is, or the key of an integer seed."""
+    if jnp.issubdtype(jnp.result_type(key_or_seed), jax.dtypes.prng_key):
+        return key_or_seed
+    return jax.random.key(key_or_seed)
+
+
 def sharded_init(model_cfg, optimizer, key, mesh):
-    """Initialise directly into the shardings the partition rules give: the shapes come from
-    jax.eval_shape, so a large model never materialises on one device."""
-    abstract = jax.eval_shape(lambda k: init_state(model_cfg, optimizer, k), key)
+    """Initialise directly into the shardings the partition rules give, in one program: the
+    shapes come from jax.eval_shape, so a large model never materialises on one device.
+    `key` is a PRNG key or an integer seed."""
+    def init(k):
+        return init_state(model_cfg, optimizer, k)
+
+    abstract = jax.eval_shape(init, key)
     shardings = sharding.tree_shardings(abstract, mesh)
-    state = jax.jit(lambda k: init_state(model_cfg, optimizer, k), out_shardings=shardings)(key)
+    state = jax.jit(init, out_shardings=shardings)(key)
     return state, shardings

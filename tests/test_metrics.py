@@ -1,7 +1,9 @@
 """metrics.jsonl: readers skip a damaged line with one warning naming the file and line; the
-writer only appends whole lines, even after a write that was cut short."""
+writer only appends whole lines, even after a write that was cut short. The matmul peak is
+measured once per machine; the meter reads only the steps asked for."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +34,44 @@ def test_the_writer_ends_a_torn_line_before_appending(tmp_path):
 def test_a_resumed_run_replaces_the_records_it_redid():
     records = [{"step": s} for s in (1, 2, 3, 4, 3, 4, 5)]
     assert [r["step"] for r in current_records(records)] == [1, 2, 3, 4, 5]
+
+
+def test_the_matmul_peak_is_measured_once_per_machine_and_dtype(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    from jaxgpt import metrics
+
+    measured = []
+
+    def measure(dtype=jnp.float32):
+        measured.append(jnp.dtype(dtype).name)
+        return 1e11 * len(measured)
+
+    monkeypatch.setattr(metrics, "measure_matmul_peak", measure)
+    path = tmp_path / "cache" / "peak_flops.json"
+    assert metrics.cached_matmul_peak(path) == 1e11
+    assert metrics.cached_matmul_peak(path) == 1e11 and measured == ["float32"]  # read back, not measured
+    assert metrics.cached_matmul_peak(path, jnp.bfloat16) == 2e11 and measured == ["float32", "bfloat16"]
+    assert set(json.loads(path.read_text())) == {metrics.machine_key(), metrics.machine_key(jnp.bfloat16)}
+    path.write_text("{damaged")
+    assert metrics.cached_matmul_peak(path) == 3e11  # measured again, and kept
+    assert json.loads(path.read_text()) == {metrics.machine_key(): 3e11}
+    assert metrics.peak_cache_path({"XDG_CACHE_HOME": "/x"}) == Path("/x/jaxgpt/peak_flops.json")
+
+
+def test_the_meter_reads_the_steps_asked_for_and_times_intervals_between_fetches():
+    import jax.numpy as jnp
+
+    from jaxgpt.metrics import Meter
+
+    meter = Meter(tokens_per_step=100, flops_per_token=1.0, peak=None)
+    for step in (1, 2, 3):
+        meter.add(step, {"loss": jnp.float32(step), "grad_norm": jnp.float32(1), "lr": jnp.float32(0.1)})
+    assert [s for s, _ in meter.fetch(through=2)] == [1, 2]
+    assert [s for s, _ in meter.pending] == [3]  # step 3 is still on its way
+    first = meter.record(2)
+    assert first["train_loss"] == 1.5 and first["elapsed"] == pytest.approx(meter.fetched_at - meter.run_start)
+    meter.interval_start = meter.fetched_at - 2.0  # as if the last fetch came 2 s after the one before
+    assert [s for s, _ in meter.fetch()] == [3]
+    second = meter.record(3)
+    assert second["train_loss"] == 3.0 and second["tokens_per_sec"] == pytest.approx(100 / 2.0, rel=0.05)

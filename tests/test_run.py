@@ -524,3 +524,123 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_from_the_last_good
         assert f"resuming at step {good};" in resumed.stderr
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+# --- the loop: records, timings, non-blocking metrics, programs -----------------------------------
+
+
+def poisoned_train_step(monkeypatch, bad_step: int):
+    """Make the run's train step report a NaN loss at `bad_step` (its parameters stay finite,
+    so only the loss guard can stop the run)."""
+    from jaxgpt import run as run_module
+
+    real = run_module.make_train_step
+
+    def make(*args, **kwargs):
+        step = real(*args, **kwargs)
+
+        def poisoned(state, batch, key):
+            state, values = step(state, batch, key)
+            return state, {**values, "loss": jnp.where(state.step == bad_step, jnp.nan, values["loss"])}
+
+        return poisoned
+
+    monkeypatch.setattr(run_module, "make_train_step", make)
+
+
+@pytest.mark.parametrize("bad_step", [4, 5])  # a log step, whose record is read one step late; a step between logs
+def test_a_nan_loss_stops_the_run_naming_its_step_and_nothing_after_it_is_saved(tmp_path, corpus, monkeypatch,
+                                                                                bad_step):
+    from jaxgpt.checkpoint import Checkpoints
+    from jaxgpt.run import TrainingError, train
+
+    poisoned_train_step(monkeypatch, bad_step)
+    config = tiny_config(tmp_path, corpus, **{"train.steps": 12, "train.log_every": 4, "train.ckpt_every": 3,
+                                              "train.eval_every": 100})
+    with pytest.raises(TrainingError, match=rf"non-finite loss \(nan\) .* at step {bad_step}: stopping; the "
+                                            r"parameters .* still finite.* The last good checkpoint is step 3 "):
+        train(config)
+    checkpoints = Checkpoints(tmp_path / "run", read_only=True)
+    assert checkpoints.steps() == [3]  # not 6: the state after the bad step is never saved
+    checkpoints.close()
+    assert all(step < bad_step for step in run_records(tmp_path / "run"))
+
+
+def test_every_log_eval_and_save_step_writes_one_record_and_log_steps_do_not_wait(tmp_path, corpus, monkeypatch):
+    """A log step's metrics are read only after the next step was dispatched; a step that
+    evaluates or saves reads its own at once."""
+    from jaxgpt import metrics
+    from jaxgpt.run import train
+
+    reads = []  # (the step read up to, the newest step dispatched by then)
+    fetch = metrics.Meter.fetch
+
+    def spied_fetch(meter, through=None):
+        reads.append((through, max(step for step, _ in meter.pending)))
+        return fetch(meter, through)
+
+    monkeypatch.setattr(metrics.Meter, "fetch", spied_fetch)
+    train(tiny_config(tmp_path, corpus, **{"train.steps": 10, "train.log_every": 3, "train.eval_every": 4,
+                                          "train.ckpt_every": 5}))
+    assert run_records(tmp_path / "run") == [3, 4, 5, 6, 8, 9, 10]  # multiples of 3, 4 and 5, and the last step
+    assert reads == [(3, 4), (4, 4), (5, 5), (6, 7), (8, 8), (9, 10), (10, 10)]
+
+
+def test_evaluation_and_checkpoint_seconds_are_reported_and_left_out_of_tokens_per_sec(tmp_path, corpus, monkeypatch,
+                                                                                       capsys):
+    import time
+
+    from jaxgpt import run as run_module
+
+    evaluate = run_module.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        time.sleep(1.5)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "evaluate", slow_evaluate)
+    run_module.train(tiny_config(tmp_path, corpus, **{"train.steps": 4, "train.eval_every": 2,
+                                                      "train.ckpt_every": 3}))
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert {s for s, r in records.items() if "eval_seconds" in r} == {2, 4}
+    assert {s for s, r in records.items() if "checkpoint_seconds" in r} == {2, 3, 4}
+    assert all(records[s]["eval_seconds"] >= 1.5 and records[s]["checkpoint_seconds"] >= 0 for s in (2, 4))
+    # step 3's interval began after step 2's evaluation: had the 1.5 s counted, 64 tokens / 1.5 s < 43 tokens/s
+    assert records[3]["tokens_per_sec"] > 64 / 1.0
+    err = capsys.readouterr().err
+    assert "step 2: train loss" in err and "evaluation 1.5" in err and "checkpoint 0." in err
+
+
+def test_a_one_step_run_compiles_one_init_one_train_step_and_one_eval_step(tmp_path, corpus):
+    """JAX's log of its compilations: no program for making keys, folding them, converting
+    values or measuring the matmul peak (read from its cache); nothing per step or per batch."""
+    from collections import Counter
+
+    from jaxgpt import metrics
+
+    cache_home = tmp_path / "xdg"
+    peaks = metrics.peak_cache_path({"XDG_CACHE_HOME": str(cache_home)})
+    peaks.parent.mkdir(parents=True)
+    peaks.write_text(json.dumps({metrics.machine_key(): 1e11}))
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(JAX_LOG_COMPILES="1", XDG_CACHE_HOME=str(cache_home))
+    args = [arg for arg in cli_args(tmp_path, corpus, **{"train.steps": 1, "train.eval_max_batches": 3,
+                                                         "mesh.cpu_devices": 1})
+            if not arg.startswith("--config.train.peak_flops=")] + ["--config.compilation_cache=off"]
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=ROOT,
+                         timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    compiled = Counter(line.split("Compiling jit(")[1].split(")")[0] for line in out.stderr.splitlines()
+                       if "Compiling jit(" in line)
+    assert compiled == {"init": 1, "seeded_step": 1, "step": 1}, compiled
+    assert "MFU against a peak of 100 GFLOP/s" in out.stderr
+
+
+def test_hundreds_of_steps_between_logs_on_two_cpu_devices_do_not_stall(tmp_path, corpus):
+    """The host runs only a few steps ahead of the devices: with hundreds queued, XLA's
+    all-reduce between two CPU devices waited forever and the process aborted."""
+    out = run_train_py(cli_args(tmp_path, corpus, **{"train.steps": 400, "train.decay_steps": 400,
+                                                     "train.log_every": 1000, "train.eval_every": 1000,
+                                                     "train.ckpt_every": 1000, "mesh.cpu_devices": 2}), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert run_records(tmp_path / "run") == [400]

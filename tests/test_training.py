@@ -109,3 +109,23 @@ def test_a_repeated_run_loads_its_programs_from_the_compilation_cache(tmp_path):
                             timeout=240)
     assert second.returncode == 0, second.stderr[-2000:]
     assert programs() == written  # nothing compiled anew, nothing rewritten
+
+
+def test_a_seeded_step_draws_dropout_with_the_key_of_seed_and_step():
+    """seeded(train_step)(state, batch, seed) is train_step with key fold_in(key(seed), step):
+    the key the loop made on the host before, so runs and resumes draw the same dropout."""
+    from jaxgpt.training import seeded
+
+    cfg = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, d_model=16, dropout=0.5)
+    optimizer, schedule = make_optimizer(TRAIN), learning_rate_schedule(TRAIN)
+    state = init_state(cfg, optimizer, 3)
+    by_key = init_state(cfg, optimizer, jax.random.key(3))  # a seed is the key of that seed
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, state.params, by_key.params))
+    state = state.replace(step=jnp.int32(5))
+    tokens = jax.random.randint(jax.random.key(1), (4, cfg.block_size + 1), 0, cfg.vocab_size)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    step = make_train_step(cfg, optimizer, schedule)
+    _, by_seed = jax.jit(seeded(step))(state, batch, 7)
+    _, by_key = jax.jit(step)(state, batch, jax.random.fold_in(jax.random.key(7), 5))
+    _, other = jax.jit(step)(state, batch, jax.random.fold_in(jax.random.key(7), 4))
+    assert float(by_seed["loss"]) == float(by_key["loss"]) != float(other["loss"])  # dropout differs per step
