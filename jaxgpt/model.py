@@ -306,7 +306,9 @@ class GPT(nn.Module):
 
     With `cache`, the tokens are written into the slots cache.index … cache.index+T−1 of
     each row with their keys, values, positions and segments, and `(logits, new_cache)` is
-    returned. Dropout is applied only when deterministic=False and a 'dropout' RNG is given.
+    returned; a LinearCache (attention='linear') absorbs them into its state instead. With
+    cfg.scan_layers the blocks are one nn.scan over params["h"] (see layers_as). Dropout is
+    applied only when deterministic=False and a 'dropout' RNG is given.
     """
 
     cfg: GPTConfig

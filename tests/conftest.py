@@ -29,3 +29,31 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def encode_calls(monkeypatch):
+    """Every text given to a tokenizer's encode, in this process."""
+    from jaxgpt.tokenizers import Tokenizer
+
+    calls = []
+    original = Tokenizer.encode
+
+    def spy(self, text, *args, **kwargs):
+        calls.append(text)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", spy)
+    return calls
+
+
+def corpus_documents(corpus, split="train"):
+    """A prepared text corpus's documents of `split`: the runs of ids between <|eos|>, decoded."""
+    ids = np.asarray(getattr(corpus, split)).tolist()
+    pieces = [[]]
+    for i in ids:
+        if i == corpus.tokenizer.eos_id:
+            pieces.append([])
+        else:
+            pieces[-1].append(i)
+    return [corpus.tokenizer.decode(piece) for piece in pieces] if ids else []

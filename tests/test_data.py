@@ -77,18 +77,6 @@ def cache_entries(tmp_path):
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
-@pytest.fixture
-def encode_calls(monkeypatch):
-    """Every text given to a tokenizer's encode."""
-    calls = []
-    original = Tokenizer.encode
-
-    def spy(self, text, *args, **kwargs):
-        calls.append(text)
-        return original(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(Tokenizer, "encode", spy)
-    return calls
 
 
 # --- path sources ---------------------------------------------------------------------------

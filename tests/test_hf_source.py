@@ -7,12 +7,13 @@ import json
 import threading
 import time
 
-import numpy as np
 import pytest
 
 datasets = pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
+
+from conftest import corpus_documents  # noqa: E402
 
 from jaxgpt import data  # noqa: E402
 from jaxgpt.config import DataConfig  # noqa: E402
@@ -35,15 +36,7 @@ def config(tmp_path, **overrides):
 
 
 def documents(corpus, split="train"):
-    """The runs of ids between <|eos|>, decoded."""
-    ids = np.asarray(getattr(corpus, split)).tolist()
-    pieces = [[]]
-    for i in ids:
-        if i == corpus.tokenizer.eos_id:
-            pieces.append([])
-        else:
-            pieces[-1].append(i)
-    return [corpus.tokenizer.decode(piece) for piece in pieces] if ids else []
+    return corpus_documents(corpus, split)
 
 
 def write_parquet(path, rows, **columns):

@@ -12,8 +12,8 @@ import os
 import shutil
 import sys
 
-import numpy as np
 import pytest
+from conftest import corpus_documents
 from matplotlib import font_manager
 from matplotlib.figure import Figure
 from PIL import Image, ImageDraw, ImageFont
@@ -72,15 +72,7 @@ def config(tmp_path, **overrides):
 
 
 def documents(corpus):
-    """The documents of the train split: the runs of ids between <|eos|>, decoded."""
-    ids = np.asarray(corpus.train).tolist()
-    pieces = [[]]
-    for i in ids:
-        if i == corpus.tokenizer.eos_id:
-            pieces.append([])
-        else:
-            pieces[-1].append(i)
-    return [corpus.tokenizer.decode(piece) for piece in pieces]
+    return corpus_documents(corpus)
 
 
 @pytest.fixture

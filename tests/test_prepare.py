@@ -62,17 +62,6 @@ def corpus_dir(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus"), documents=240, words=150)  # ~190 KB
 
 
-@pytest.fixture
-def encode_calls(monkeypatch):
-    calls = []
-    original = Tokenizer.encode
-
-    def spy(self, text, *args, **kwargs):
-        calls.append(text)
-        return original(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(Tokenizer, "encode", spy)
-    return calls
 
 
 # --- parallel encoding -------------------------------------------------------------------------

@@ -13,14 +13,12 @@ from test_run import corpus  # noqa: F401, F811  (the fixture)
 from jaxgpt import GPT, ops
 from jaxgpt.model import layers_as, stack_layers, unstack_layers
 
-CASES = [
-    {"positions": "learned", "n_layer": 2},
+CASES = [  # 2 and 3 layers, every positions option, and linear attention, remat and GQA on the way
+    {"positions": "learned", "n_layer": 2, "remat": True, "n_head": 4, "n_kv_head": 2},
     {"positions": "sinusoidal", "n_layer": 3},
     {"positions": "rope", "n_layer": 2},
     {"positions": "alibi", "n_layer": 3},
-    {"positions": "none", "n_layer": 2},
-    {"positions": "rope", "n_layer": 3, "attention": "linear"},
-    {"positions": "learned", "n_layer": 3, "remat": True, "n_head": 4, "n_kv_head": 2},
+    {"positions": "none", "n_layer": 3, "attention": "linear"},
 ]
 
 

@@ -30,17 +30,30 @@ The settings are config.data (jaxgpt.config.DataConfig). Bad input raises
 that says what is wrong and what to do.
 """
 
-from jaxgpt.data.batches import bits_per_byte, eval_batch, eval_batches, num_eval_batches, train_batch
-from jaxgpt.data.cache import Corpus, open_corpus, prepare, tokenizer_hash
-from jaxgpt.data.examples import Examples, encode_turns
-from jaxgpt.data.packing import Layout, eval_rows, num_eval_rows, packed_batch, plan
-from jaxgpt.data.prefetch import DeviceBatches, process_rows
-from jaxgpt.data.sources import DocumentReader, list_files, split_documents
-from jaxgpt.errors import DataError
+import importlib
 
-__all__ = [
-    "Examples", "Layout", "encode_turns", "eval_rows", "num_eval_rows", "packed_batch", "plan",
-    "Corpus", "DataError", "DeviceBatches", "DocumentReader", "bits_per_byte", "eval_batch", "eval_batches",
-    "list_files", "num_eval_batches", "open_corpus", "prepare", "process_rows", "split_documents",
-    "tokenizer_hash", "train_batch",
-]
+_EXPORTS = {
+    **dict.fromkeys(("bits_per_byte", "eval_batch", "eval_batches", "num_eval_batches", "train_batch"),
+                    "jaxgpt.data.batches"),
+    **dict.fromkeys(("Corpus", "open_corpus", "prepare", "tokenizer_hash"), "jaxgpt.data.cache"),
+    **dict.fromkeys(("Examples", "encode_turns"), "jaxgpt.data.examples"),
+    **dict.fromkeys(("Layout", "eval_rows", "num_eval_rows", "packed_batch", "plan"), "jaxgpt.data.packing"),
+    **dict.fromkeys(("DeviceBatches", "process_rows"), "jaxgpt.data.prefetch"),
+    **dict.fromkeys(("DocumentReader", "list_files", "split_documents"), "jaxgpt.data.sources"),
+    "DataError": "jaxgpt.errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """The names above, imported when first used: an encoding worker that imports
+    jaxgpt.data.encode does not import the rest (nor JAX)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxgpt.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -15,9 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxgpt.cli import parse_config
-from jaxgpt.data import cache
-from jaxgpt.errors import ConfigError, one_line
+# Only light imports at the top: each encoding worker imports this module again (spawn).
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
 
@@ -40,6 +38,10 @@ class Bar:
 
 
 def main(argv: list[str]) -> int:
+    from jaxgpt.cli import parse_config
+    from jaxgpt.data import cache
+    from jaxgpt.errors import ConfigError, one_line
+
     try:
         config = parse_config(argv, DEFAULT_CONFIG)
         bar = Bar()
@@ -66,7 +68,9 @@ class _CallableModule(types.ModuleType):
     `prepare` the package exports: calling it still calls that function."""
 
     def __call__(self, *args, **kwargs):
-        return cache.prepare(*args, **kwargs)
+        from jaxgpt.data.cache import prepare
+
+        return prepare(*args, **kwargs)
 
 
 if __name__ == "__main__":
