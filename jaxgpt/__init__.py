@@ -3,7 +3,7 @@
 The names below are imported when first used, so that `import jaxgpt.tokenizers` (e.g. in a
 data-preparation worker) does not start JAX."""
 
-import importlib
+from jaxgpt.lazy import lazy_exports
 
 _EXPORTS = {
     "GPTConfig": "jaxgpt.model_config",
@@ -13,14 +13,4 @@ _EXPORTS = {
 __all__ = ["GPT", "GPTConfig", "KVCache", "LinearCache", "init_cache", "param_count", "flops_per_token"]
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'jaxgpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "jaxgpt"
 # Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
 # know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
 LAYERS = (
-    ("errors", "files", "model_config"),
+    ("errors", "files", "lazy", "model_config"),
     ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("caches", "cli"),
     ("optim", "data", "model"),

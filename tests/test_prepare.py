@@ -332,3 +332,11 @@ def test_a_directory_of_gpt2_files_is_a_tokenizer(tmp_path, corpus_dir):
         tmp_path / "gpt2" / "vocab.json", tmp_path / "gpt2" / "merges.txt"))
     named = data.prepare(config(tmp_path, corpus_dir, cache="b", tokenizer=str(tmp_path / "gpt2")))
     assert shard_files(named) == shard_files(given) and len(shard_files(named)) == 2
+
+
+def test_an_encoding_worker_imports_no_jax():
+    """What a spawned worker imports (the encoder and the tokenizers) leaves JAX out: a worker
+    costs the tokenizer's memory, not JAX's."""
+    probe = "import sys, jaxgpt.data.encode, jaxgpt.data.prepare; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -30,7 +30,7 @@ The settings are config.data (jaxgpt.config.DataConfig). Bad input raises
 that says what is wrong and what to do.
 """
 
-import importlib
+from jaxgpt.lazy import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(("bits_per_byte", "eval_batch", "eval_batches", "num_eval_batches", "train_batch"),
@@ -44,16 +44,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    """The names above, imported when first used: an encoding worker that imports
-    jaxgpt.data.encode does not import the rest (nor JAX)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'jaxgpt.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)  # an encoding worker imports no JAX
