@@ -143,12 +143,12 @@ def prompt_batch(config: GPTConfig, prompts, prompt_lengths, pad_id):
             raise ValueError(f"prompt {b} must be a non-empty sequence of token ids, got {prompt!r:.80}")
         rows.append(row)
     longest = max(len(row) for row in rows)
-    padded = np.full((len(rows), prompt_bucket(longest)), pad_id, np.int64)
+    _check_ids(config, np.concatenate(rows))
+    padded = np.full((len(rows), prompt_bucket(longest)), pad_id, np.int32)
     for b, row in enumerate(rows):
         padded[b, :len(row)] = row
-    _check_ids(config, np.concatenate(rows))
     lengths = np.array([len(row) for row in rows], np.int32)
-    return jnp.asarray(padded, jnp.int32), jnp.asarray(lengths), longest
+    return jax.device_put(padded), jax.device_put(lengths), longest  # copies, no conversion programs
 
 
 def _array_batch(config: GPTConfig, prompts, prompt_lengths):

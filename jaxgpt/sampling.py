@@ -242,7 +242,9 @@ def _row_keys(key, batch_size: int):
     """One key per row: the given ones, or fold_in(key, b) for row b. Row b's draws use
     uniform(its key, (max_new_tokens,)), so they depend only on its key and prompt, not on
     the rest of the batch."""
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.ndim == 0 and jnp.issubdtype(key.dtype, jnp.integer):
+        key = jax.random.key(key)  # an integer seed
+    elif not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)  # a raw uint32 key (jax.random.PRNGKey)
     if key.shape == ():
         return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(batch_size))
@@ -337,17 +339,26 @@ def _prepare(config, prompts, key, prompt_lengths, options: SamplingOptions):
         top_logprobs=options.top_logprobs,
     )
     traced = _Traced(
-        temperature=jnp.asarray(options.temperature, jnp.float32),
-        top_p=jnp.asarray(1.0 if options.top_p is None else options.top_p, jnp.float32),
-        eos_id=jnp.asarray(-1 if options.eos_id is None else options.eos_id, jnp.int32),
-        pad_id=jnp.asarray(options.pad_id, jnp.int32),
+        temperature=_scalar(options.temperature, np.float32),
+        top_p=_scalar(1.0 if options.top_p is None else options.top_p, np.float32),
+        eos_id=_scalar(-1 if options.eos_id is None else options.eos_id, np.int32),
+        pad_id=_scalar(options.pad_id, np.int32),
     )
     return prompts, prompt_lengths, row_keys, longest, traced, program
 
 
+def _scalar(value, dtype):
+    """A NumPy scalar, which the programs take as it is (jnp.asarray would compile a conversion
+    program of its own), or the value traced under the caller's jit as a jnp scalar."""
+    return np.asarray(value, dtype) if is_concrete(value) else jnp.asarray(value, dtype)
+
+
 def _check_key(key, batch_size: int) -> None:
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return  # a seed: the key is made inside the program, which saves one of its own
     if not isinstance(key, jax.Array):
-        raise ValueError(f"key must be a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
+        raise ValueError(f"key must be a JAX PRNG key (jax.random.key(seed)) or an integer seed, "
+                         f"got {type(key).__name__}")
     shape = key.shape if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
     if shape not in ((), (batch_size,)):
         raise ValueError(f"key must be one PRNG key or one per row ({batch_size},), got keys of shape {shape}")
@@ -360,7 +371,8 @@ def generate(params, config: GPTConfig, prompts, key, options: SamplingOptions |
     prompts: a list of token-id sequences (lengths may differ; each is padded up to a length
       bucket, so a few compiled programs serve all prompts), or a (B, P) integer array with
       `prompt_lengths` (B,) when the rows are not all P long (works under jax.jit).
-    key: one PRNG key (row b draws with fold_in(key, b)) or a (B,) array of keys, one per row.
+    key: one PRNG key (row b draws with fold_in(key, b)), an integer seed (the key
+      jax.random.key(seed)), or a (B,) array of keys, one per row.
     options: a `SamplingOptions`, or instead its fields as keywords
       (`generate(params, cfg, prompts, key, max_new_tokens=20, temperature=0.8)`).
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from jaxgpt import tokenizers
@@ -39,7 +38,7 @@ def generate_text(params, config: GPTConfig, tokenizer: tokenizers.Tokenizer, pr
     ids = [encode_prompt(tokenizer, text) for text in texts]
     eos_id = tokenizer.eos_id if stop_at_eos and tokenizer.eos_id is not None else None
     options = SamplingOptions(max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id)
-    result = generate(params, config, ids, jax.random.key(seed), options)
+    result = generate(params, config, ids, seed, options)  # the key is made in the sampler's program
     continuations = [tokenizer.decode(row) for row in result.new_tokens()]
     return continuations[0] if isinstance(prompts, str) else continuations
 

@@ -126,6 +126,12 @@ def as_key(key_or_seed) -> jax.Array:
     return jax.random.key(key_or_seed)
 
 
+# The init program runs once: LLVM's -O2 instead of XLA's default -O3 gives the same values
+# (bit for bit) and halves its compile (2.6 s to 1.2 s for the CPU recipe; 4.4 s to 2.9 s at
+# GPT-2 small, whose init then runs as fast).
+INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
+
+
 def sharded_init(model_cfg, optimizer, key, mesh):
     """Initialise directly into the shardings the partition rules give, in one program: the
     shapes come from jax.eval_shape, so a large model never materialises on one device.
@@ -135,5 +141,5 @@ def sharded_init(model_cfg, optimizer, key, mesh):
 
     abstract = jax.eval_shape(init, key)
     shardings = sharding.tree_shardings(abstract, mesh)
-    state = jax.jit(init, out_shardings=shardings)(key)
+    state = jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key)
     return state, shardings

@@ -611,9 +611,11 @@ def test_evaluation_and_checkpoint_seconds_are_reported_and_left_out_of_tokens_p
     assert "step 2: train loss" in err and "evaluation 1.5" in err and "checkpoint 0." in err
 
 
-def test_a_one_step_run_compiles_one_init_one_train_step_and_one_eval_step(tmp_path, corpus):
-    """JAX's log of its compilations: no program for making keys, folding them, converting
-    values or measuring the matmul peak (read from its cache); nothing per step or per batch."""
+def test_a_one_step_run_compiles_one_program_per_kind(tmp_path, corpus):
+    """JAX's log of its compilations in a whole run as train.py's default makes it (two CPU
+    devices, a checkpoint, a sample): one init, one train step, one eval step and the
+    sampler's programs. None for making keys, folding them, converting values, slicing
+    replicated arrays for a checkpoint or measuring the matmul peak (read from its cache)."""
     from collections import Counter
 
     from jaxgpt import metrics
@@ -622,18 +624,20 @@ def test_a_one_step_run_compiles_one_init_one_train_step_and_one_eval_step(tmp_p
     peaks = metrics.peak_cache_path({"XDG_CACHE_HOME": str(cache_home)})
     peaks.parent.mkdir(parents=True)
     peaks.write_text(json.dumps({metrics.machine_key(): 1e11}))
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
     env.update(JAX_LOG_COMPILES="1", XDG_CACHE_HOME=str(cache_home))
     args = [arg for arg in cli_args(tmp_path, corpus, **{"train.steps": 1, "train.eval_max_batches": 3,
-                                                         "mesh.cpu_devices": 1})
+                                                         "mesh.cpu_devices": 2, "sample.max_new_tokens": 4})
             if not arg.startswith("--config.train.peak_flops=")] + ["--config.compilation_cache=off"]
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=ROOT,
                          timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     compiled = Counter(line.split("Compiling jit(")[1].split(")")[0] for line in out.stderr.splitlines()
                        if "Compiling jit(" in line)
-    assert compiled == {"init": 1, "seeded_step": 1, "step": 1}, compiled
+    sampler = {"_row_keys": 1, "_generate_program": 1, "dynamic_slice": 1}  # the last drops the prompt bucket's padding
+    assert compiled == {"init": 1, "seeded_step": 1, "step": 1, **sampler}, compiled
     assert "MFU against a peak of 100 GFLOP/s" in out.stderr
+    assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
 
 
 def test_hundreds_of_steps_between_logs_on_two_cpu_devices_do_not_stall(tmp_path, corpus):

@@ -278,6 +278,20 @@ def test_same_key_same_sample_different_keys_differ():
     assert len({tuple(r) for r in rows(same_prompt)}) == 3  # each row has its own key
 
 
+def test_an_integer_seed_draws_as_its_key():
+    """generate(…, seed) is generate(…, jax.random.key(seed)): the key is made inside the
+    program (one program fewer than making it eagerly)."""
+    cfg = tiny()
+    params = random_params(cfg)
+    by_seed = sampling.generate(params, cfg, PROMPTS, 7, max_new_tokens=NEW, temperature=1.0)
+    by_key = sampling.generate(params, cfg, PROMPTS, jax.random.key(7), max_new_tokens=NEW, temperature=1.0)
+    np.testing.assert_array_equal(np.asarray(by_seed.tokens), np.asarray(by_key.tokens))
+    other = sampling.generate(params, cfg, PROMPTS, 8, max_new_tokens=NEW, temperature=1.0)
+    assert rows(jax.device_get(other)) != rows(jax.device_get(by_seed))
+    with pytest.raises(ValueError, match="PRNG key .* or an integer seed"):
+        sampling.generate(params, cfg, PROMPTS, 7.0, max_new_tokens=NEW)
+
+
 def test_generate_traces_under_jit():
     """Everything may be traced but the static choices (what the arrays hold is checked by
     the tests above, which give prompts as arrays too)."""

@@ -129,3 +129,18 @@ def test_a_seeded_step_draws_dropout_with_the_key_of_seed_and_step():
     _, by_key = jax.jit(step)(state, batch, jax.random.fold_in(jax.random.key(7), 5))
     _, other = jax.jit(step)(state, batch, jax.random.fold_in(jax.random.key(7), 4))
     assert float(by_seed["loss"]) == float(by_key["loss"]) != float(other["loss"])  # dropout differs per step
+
+
+def test_the_init_program_compiled_for_speed_of_compiling_gives_the_default_values():
+    """sharded_init compiles its program with INIT_COMPILER_OPTIONS (a lighter LLVM pipeline):
+    its state must be the one XLA's default compilation of the same init gives, bit for bit."""
+    from jaxgpt.training import sharded_init
+
+    cfg = GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=32)
+    optimizer = make_optimizer(TrainConfig(steps=10, warmup_steps=1))
+    state, _ = sharded_init(cfg, optimizer, 3, sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}))
+    default = jax.jit(lambda seed: init_state(cfg, optimizer, seed))(3)
+    leaves = jax.tree.leaves(default)
+    assert len(leaves) == len(jax.tree.leaves(state)) and any(np.asarray(x).std() > 0 for x in leaves)
+    for x, y in zip(jax.tree.leaves(state), leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

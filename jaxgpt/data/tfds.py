@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from jaxgpt.config import DataConfig
-from jaxgpt.data import tfds_local  # noqa: F401  registers local_text_corpus, so that it can be prepared
 from jaxgpt.data.sources import DocumentReader, Source
 from jaxgpt.errors import DataError, one_line
 
@@ -34,18 +33,7 @@ def tfds_source(spec: str, settings: DataConfig) -> Source:
         raise DataError(f"data source {spec!r} is not tfds:NAME[:SPLIT] "
                         "(e.g. tfds:local_text_corpus:train)")
     name, split = match["name"], match["split"] or "train"
-    import tensorflow_datasets as tfds
-
-    data_dir = settings.tfds_data_dir
-    where = data_dir or "TFDS's default data directory"
-    try:
-        builder = tfds.builder(name, data_dir=data_dir)
-    except tfds.core.registered.DatasetNotFoundError:
-        raise DataError(f"unknown TFDS dataset {name!r}: tensorflow_datasets does not know it "
-                        f"and it is not prepared in {where}; check the name, or set "
-                        "data.tfds_data_dir to where it was prepared") from None
-    except ValueError as err:  # e.g. an unknown config or version
-        raise DataError(f"TFDS dataset {name!r}: {one_line(err)}") from None
+    builder = _builder(name, settings.tfds_data_dir)
     if not builder.is_prepared():
         _prepare_tfds(builder, name)
     try:
@@ -88,6 +76,24 @@ def tfds_source(spec: str, settings: DataConfig) -> Source:
                     yield value
 
     return Source(f"tfds-{name}-{split}", identity, documents)
+
+
+def _builder(name: str, data_dir: str | None) -> Any:
+    """TFDS's builder of `name`, imported here: a run from local files never pays for
+    importing tensorflow_datasets."""
+    import tensorflow_datasets as tfds
+
+    from jaxgpt.data import tfds_local  # noqa: F401  registers local_text_corpus, so that it can be prepared
+
+    where = data_dir or "TFDS's default data directory"
+    try:
+        return tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+        raise DataError(f"unknown TFDS dataset {name!r}: tensorflow_datasets does not know it "
+                        f"and it is not prepared in {where}; check the name, or set "
+                        "data.tfds_data_dir to where it was prepared") from None
+    except ValueError as err:  # e.g. an unknown config or version
+        raise DataError(f"TFDS dataset {name!r}: {one_line(err)}") from None
 
 
 def _prepare_tfds(builder: Any, name: str) -> None:
