@@ -60,11 +60,12 @@ def test_adamw_decays_matrices_and_leaves_biases_alone():
     """With zero gradients Adam's step is zero, so only the decoupled decay moves a leaf:
     θ ← θ − lr·λ·θ for decayed leaves, θ unchanged for the rest."""
     cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, d_model=8)
-    params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])()
     params = jax.tree.map(lambda p: p + 1.0, params)  # non-zero biases
     train = TrainConfig(**{**TRAIN, "warmup_steps": 0, "lr": 0.5, "weight_decay": 0.2})
     optimizer = make_optimizer(train)
-    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    # jitted: one program, not one per operation and leaf
+    updates, _ = jax.jit(lambda p: optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p))(params)
     lr0 = 0.5 / 1  # warmup 0: lr/(0+1)
     kernel = params["h_0"]["mlp"]["c_fc"]["kernel"]
     np.testing.assert_allclose(updates["h_0"]["mlp"]["c_fc"]["kernel"], -lr0 * 0.2 * kernel, rtol=1e-5)

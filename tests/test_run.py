@@ -220,8 +220,10 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus, async_che
     # `reached` (the last step logged) is at most where the run was killed. A synchronous save
     # finishes before the next step; an asynchronous one may still be in flight when the kill
     # lands, and then the newest finished checkpoint is the one ckpt_every steps before it.
+    # A saving step's record is written once its save returns (it holds checkpoint_seconds),
+    # so the kill may land between the two: the checkpoint one step past the last record.
     lost = 2 * (2 if async_checkpoints else 1)
-    assert reached - lost <= resumed_from <= reached
+    assert reached - lost <= resumed_from <= reached + 1
     assert resumed_from % 2 == 0 and resumed_from >= 6
 
 

@@ -40,14 +40,14 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_sharded_training_equals_single_device():
-    """On 8 fake CPU devices: meshes (8,1,1), (2,4,1), (2,2,2), (1,1,8) give the single-device
+    """On 8 fake CPU devices: meshes (8,1,1), (2,2,2), (1,1,8) give the single-device
     losses and parameters after 3 steps (with 2 accumulated micro-batches per step)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(TESTS / "sharded_training.py")], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout)
-    assert set(results) == {"(8, 1, 1)", "(2, 4, 1)", "(2, 2, 2)", "(1, 1, 8)"}
+    assert set(results) == {"(8, 1, 1)", "(2, 2, 2)", "(1, 1, 8)"}
     for mesh, r in results.items():
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, (mesh, r)
     assert results["(2, 2, 2)"]["sharded_leaves"] > 0 and results["(1, 1, 8)"]["sharded_leaves"] > 0
