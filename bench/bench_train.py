@@ -3,6 +3,7 @@
     python bench/bench_train.py                 # both shapes, ~2 minutes
     python bench/bench_train.py --recipe        # also the full CPU recipe: val loss at step 2000
     python bench/bench_train.py --loop 3        # train.py's steady tokens/s against the step-only rate
+    python bench/bench_train.py --prefetch 3    # the step-only rate with the loader against one batch reused
 
 Each shape runs in its own process (so peak RSS is its own): the jitted train step of
 jaxgpt.training, as train.py runs it, on real Tiny Shakespeare batches from jaxgpt.data with
@@ -39,8 +40,9 @@ def load_config(name: str):
     return load(ROOT / "configs" / f"{name}.py")
 
 
-def measure(shape: str) -> dict:
-    """Run in a child process: compile, then time the train step on real batches."""
+def measure(shape: str, prefetch: bool = True) -> dict:
+    """Run in a child process: compile, then time the train step on real batches (made ahead
+    by the prefetching loader, as train.py does), or with prefetch=False on one batch again."""
     import jax
 
     from jaxgpt import data, sharding
@@ -71,7 +73,7 @@ def measure(shape: str) -> dict:
         return data.train_batch(corpus.train, seed=0, step=step, batch_size=batch_size, block_size=cfg.block_size,
                                 rows=rows)
 
-    with data.DeviceBatches(make_batch, start_step=0, end_step=steps + 2, batch_size=batch_size,
+    with data.DeviceBatches(make_batch, start_step=0, end_step=steps + 2 if prefetch else 1, batch_size=batch_size,
                             sharding=batch_sharding) as batches:
         _, first = next(batches)
         start = time.perf_counter()
@@ -79,9 +81,11 @@ def measure(shape: str) -> dict:
         compile_s = time.perf_counter() - start
         state, metrics = compiled(state, first, tc.seed)  # warm-up
         jax.block_until_ready(metrics)
+        # prefetch=False: the first batch again and again, and no loader thread running
+        source = batches if prefetch else ((step, first) for step in range(1, steps + 2))
         start = time.perf_counter()
         in_flight = []
-        for _, batch in batches:
+        for _, batch in source:
             state, metrics = compiled(state, batch, tc.seed)
             in_flight.append(metrics)
             if len(in_flight) > IN_FLIGHT:  # as train.py's loop: a few steps ahead, not all of them
@@ -158,16 +162,32 @@ def compare_loop(pairs: int, child) -> None:
           f"{'ok' if ratio >= 0.95 else 'MISSED'})")
 
 
+def compare_prefetch(pairs: int, child) -> None:
+    """The step-only rate with batches made ahead by the loader's thread (as train.py) against
+    one device-resident batch reused with no loader running, alternating: what prefetching
+    costs the steps on this machine's cores."""
+    import statistics
+
+    ratios = []
+    for _ in range(pairs):
+        loaded, reused = child("cpu_recipe")["tokens_per_sec"], child("one_batch")["tokens_per_sec"]
+        ratios.append(loaded / reused)
+        print(f"cpu_recipe: prefetched batches {loaded:,.0f} tokens/s, one batch reused {reused:,.0f} tokens/s")
+    print(f"prefetched / reused: {statistics.median(ratios):.3f} (median of {pairs})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe", "loop"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe", "loop", "one_batch"], help=argparse.SUPPRESS)
     parser.add_argument("--recipe", action="store_true", help="also train the CPU recipe for 2000 steps")
     parser.add_argument("--shapes", nargs="*", default=sorted(SHAPES))
     parser.add_argument("--loop", type=int, default=0, metavar="PAIRS",
                         help="also time train.py's loop against the step-only rate, PAIRS times each")
+    parser.add_argument("--prefetch", type=int, default=0, metavar="PAIRS",
+                        help="also time the step-only rate with the prefetching loader against one batch reused")
     args = parser.parse_args()
     if args.child:
-        children = {"recipe": recipe, "loop": loop}
+        children = {"recipe": recipe, "loop": loop, "one_batch": lambda: measure("cpu_recipe", prefetch=False)}
         print(json.dumps(children[args.child]() if args.child in children else measure(args.child)))
         return
 
@@ -193,6 +213,8 @@ def main() -> None:
               f"{'; '.join(verdicts)}")
     if args.loop:
         compare_loop(args.loop, child)
+    if args.prefetch:
+        compare_prefetch(args.prefetch, child)
     if args.recipe:
         r = child("recipe")
         print(f"CPU recipe, 2000 steps: val loss {r['val_loss']:.4f} (nanoGPT: 1.886; target ≤ 1.89: "
