@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import flops_per_token, param_count
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
-from jaxgpt.training import TrainState, make_train_step, seeded, sharded_init
+from jaxgpt.training import TrainState, abstract_state, make_train_step, seeded, sharded_init
 
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train"]
 
@@ -237,29 +238,34 @@ def init_or_restore(run: Run, optimizer, key) -> tuple[TrainState, TrainState, i
     """(state, its shardings, the step to start at): restored from the newest intact
     checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from).
     `key` is a PRNG key or an integer seed."""
+    if run.resuming:  # restored onto the shapes and shardings alone: nothing is initialised first
+        abstract = abstract_state(run.model, optimizer, run.mesh)
+        restored, step = run.checkpoints.restore(abstract.to_dict())
+        return TrainState.from_dict(restored), jax.tree.map(lambda a: a.sharding, abstract), step
     state, shardings = sharded_init(run.model, optimizer, key, run.mesh)
-    if run.resuming:
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                state.to_dict(), shardings.to_dict())
-        restored, step = run.checkpoints.restore(abstract)
-        return TrainState.from_dict(restored), shardings, step
     if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
         state = state.replace(params=rundir.init_params_from(run.config.init_from, run.model, shardings.params))
     return state, shardings, 0
 
 
-def compile_train_step(run: Run, optimizer, shardings: TrainState):
-    """train_step(state, batch, seed), jitted: the step's dropout key, fold_in(key(seed),
+def lower_train_step(run: Run, optimizer, abstract: TrainState):
+    """train_step(state, batch, seed) lowered for the run's state (`abstract`: shapes, dtypes
+    and shardings) and batches, ready to compile. The step's dropout key, fold_in(key(seed),
     state.step), is made inside it, so the loop runs one program per step and nothing else."""
     batches = sharding.batch_sharding(run.mesh)
-    fields = 5 if run.corpus.records else 2  # (inputs, targets[, mask, positions, segments])
+    rows = run.train.grad_accum * run.train.batch_size
+    one_row = _batch_maker(run)(0, slice(0, 1))  # its fields' shapes and dtypes
+    batch = tuple(jax.ShapeDtypeStruct((rows, *a.shape[1:]), jax.dtypes.canonicalize_dtype(a.dtype), sharding=batches)
+                  for a in one_row)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
     step = make_train_step(run.model, optimizer, learning_rate_schedule(run.train), run.train.grad_accum)
-    return jax.jit(seeded(step), in_shardings=(shardings, (batches,) * fields, None),
-                   out_shardings=(shardings, None), donate_argnums=0)
+    jitted = jax.jit(seeded(step), in_shardings=(shardings, (batches,) * len(batch), None),
+                     out_shardings=(shardings, None), donate_argnums=0)
+    return jitted.lower(abstract, batch, run.train.seed)
 
 
-def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
-    """The training batches from start_step on, made ahead and laid out on the mesh."""
+def _batch_maker(run: Run):
+    """make_batch(step, rows): the rows of step's training batch, on the host."""
     rows = run.train.grad_accum * run.train.batch_size
 
     def make_batch(step: int, part: slice):
@@ -269,7 +275,13 @@ def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
         return data.train_batch(run.corpus.train, seed=run.train.seed, step=step, batch_size=rows,
                                 block_size=run.model.block_size, rows=part)
 
-    return data.DeviceBatches(make_batch, start_step=start_step, end_step=run.train.steps, batch_size=rows,
+    return make_batch
+
+
+def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
+    """The training batches from start_step on, made ahead and laid out on the mesh."""
+    return data.DeviceBatches(_batch_maker(run), start_step=start_step, end_step=run.train.steps,
+                              batch_size=run.train.grad_accum * run.train.batch_size,
                               sharding=sharding.batch_sharding(run.mesh))
 
 
@@ -339,8 +351,13 @@ def _train(run: Run, stop: StopRequested) -> dict:
     far was found finite."""
     tc = run.train
     optimizer = make_optimizer(tc)
-    state, shardings, start_step = init_or_restore(run, optimizer, tc.seed)
-    train_step = compile_train_step(run, optimizer, shardings)
+    lowered = lower_train_step(run, optimizer, abstract_state(run.model, optimizer, run.mesh))
+    with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
+        # XLA compiles the step while the state is made or restored: a first run waits for the
+        # longer of the two, not their sum
+        compiling = compiler.submit(lowered.compile)
+        state, _, start_step = init_or_restore(run, optimizer, tc.seed)
+        train_step = compiling.result()
     tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
         tc.peak_flops))

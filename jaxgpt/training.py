@@ -132,14 +132,19 @@ def as_key(key_or_seed) -> jax.Array:
 INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
 
 
+def abstract_state(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, mesh) -> TrainState:
+    """The train state's shapes and dtypes (from jax.eval_shape: nothing allocated) with the
+    shardings the partition rules give its leaves on `mesh`."""
+    shapes = jax.eval_shape(lambda: init_state(model_cfg, optimizer, 0))
+    return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+                        shapes, sharding.tree_shardings(shapes, mesh))
+
+
 def sharded_init(model_cfg, optimizer, key, mesh):
-    """Initialise directly into the shardings the partition rules give, in one program: the
-    shapes come from jax.eval_shape, so a large model never materialises on one device.
-    `key` is a PRNG key or an integer seed."""
+    """Initialise directly into the shardings of abstract_state, in one program: a large model
+    never materialises on one device. `key` is a PRNG key or an integer seed."""
     def init(k):
         return init_state(model_cfg, optimizer, k)
 
-    abstract = jax.eval_shape(init, key)
-    shardings = sharding.tree_shardings(abstract, mesh)
-    state = jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key)
-    return state, shardings
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_state(model_cfg, optimizer, mesh))
+    return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key), shardings
