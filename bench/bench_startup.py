@@ -33,7 +33,7 @@ from bench_vs_nanogpt import DATA, NANOGPT_RECIPE, ROOT, prepare_nanogpt_data
 from table import print_table
 
 TARGETS = {"cold": 10.0, "warm": 6.0}  # seconds, the 1-step run with its sample
-COMPILED = re.compile(r"Compiling (jit\([^)]*\))")
+COMPILED = re.compile(r"Finished XLA compilation of (jit\([^)]*\))")
 
 
 def jaxgpt_run(text: Path, run_dir: Path, cache: Path, sample: bool, log_compiles: bool = False):

@@ -342,6 +342,20 @@ def train(config) -> dict:
             run.lock.release()
 
 
+def _state_and_step(run: Run, optimizer) -> tuple[TrainState, int, Any]:
+    """(the state, the step to start at, the compiled train step, or None when no step is
+    left). XLA compiles the step in a thread while the state is made or restored: a first
+    run waits for the longer of the two, not their sum."""
+    lowered = lower_train_step(run, optimizer, abstract_state(run.model, optimizer, run.mesh))
+    finished = run.resuming and max(run.checkpoints.steps(), default=0) >= run.train.steps
+    with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
+        compiling = None if finished else compiler.submit(lowered.compile)
+        state, _, start_step = init_or_restore(run, optimizer, run.train.seed)
+    if start_step >= run.train.steps:
+        return state, start_step, None
+    return state, start_step, compiling.result() if compiling else lowered.compile()
+
+
 def _train(run: Run, stop: StopRequested) -> dict:
     """The loop: init or restore, then for each step train, log, evaluate and save.
 
@@ -351,13 +365,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
     far was found finite."""
     tc = run.train
     optimizer = make_optimizer(tc)
-    lowered = lower_train_step(run, optimizer, abstract_state(run.model, optimizer, run.mesh))
-    with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
-        # XLA compiles the step while the state is made or restored: a first run waits for the
-        # longer of the two, not their sum
-        compiling = compiler.submit(lowered.compile)
-        state, _, start_step = init_or_restore(run, optimizer, tc.seed)
-        train_step = compiling.result()
+    state, start_step, train_step = _state_and_step(run, optimizer)
     tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
         tc.peak_flops))

@@ -634,12 +634,24 @@ def test_a_one_step_run_compiles_one_program_per_kind(tmp_path, corpus):
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=ROOT,
                          timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    compiled = Counter(line.split("Compiling jit(")[1].split(")")[0] for line in out.stderr.splitlines()
-                       if "Compiling jit(" in line)
+    compiled = Counter(_compiled(out.stderr))
     sampler = {"_row_keys": 1, "_generate_program": 1, "dynamic_slice": 1}  # the last drops the prompt bucket's padding
     assert compiled == {"init": 1, "seeded_step": 1, "step": 1, **sampler}, compiled
     assert "MFU against a peak of 100 GFLOP/s" in out.stderr
     assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
+    # run again: the finished run is restored onto its shapes alone (no init) and has no step left to compile
+    again = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=ROOT,
+                           timeout=240, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    recompiled = set(_compiled(again.stderr))
+    assert "resuming at step 1" in again.stderr and not recompiled & {"init", "seeded_step"}, recompiled
+
+
+def _compiled(log: str) -> list[str]:
+    """The programs XLA compiled, from JAX_LOG_COMPILES's lines (its "Compiling" lines are
+    written when a program is lowered, compiled or not)."""
+    marker = "Finished XLA compilation of jit("
+    return [line.split(marker)[1].split(")")[0] for line in log.splitlines() if marker in line]
 
 
 def test_hundreds_of_steps_between_logs_on_two_cpu_devices_do_not_stall(tmp_path, corpus):
