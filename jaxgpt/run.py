@@ -39,7 +39,7 @@ from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import flops_per_token, param_count
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
-from jaxgpt.training import TrainState, abstract_state, make_train_step, seeded, sharded_init
+from jaxgpt.training import TrainState, abstract_state, initialise_into, make_train_step, seeded
 
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train"]
 
@@ -234,15 +234,17 @@ def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
 # --- the state ------------------------------------------------------------------------------
 
 
-def init_or_restore(run: Run, optimizer, key) -> tuple[TrainState, TrainState, int]:
+def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None) -> tuple[TrainState, TrainState, int]:
     """(state, its shardings, the step to start at): restored from the newest intact
     checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from).
-    `key` is a PRNG key or an integer seed."""
+    `key` is a PRNG key or an integer seed; `abstract` the state's abstract_state, when the
+    caller has it already."""
+    abstract = abstract_state(run.model, optimizer, run.mesh) if abstract is None else abstract
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
     if run.resuming:  # restored onto the shapes and shardings alone: nothing is initialised first
-        abstract = abstract_state(run.model, optimizer, run.mesh)
         restored, step = run.checkpoints.restore(abstract.to_dict())
-        return TrainState.from_dict(restored), jax.tree.map(lambda a: a.sharding, abstract), step
-    state, shardings = sharded_init(run.model, optimizer, key, run.mesh)
+        return TrainState.from_dict(restored), shardings, step
+    state = initialise_into(run.model, optimizer, key, shardings)
     if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
         state = state.replace(params=rundir.init_params_from(run.config.init_from, run.model, shardings.params))
     return state, shardings, 0
@@ -346,11 +348,12 @@ def _state_and_step(run: Run, optimizer) -> tuple[TrainState, int, Any]:
     """(the state, the step to start at, the compiled train step, or None when no step is
     left). XLA compiles the step in a thread while the state is made or restored: a first
     run waits for the longer of the two, not their sum."""
-    lowered = lower_train_step(run, optimizer, abstract_state(run.model, optimizer, run.mesh))
+    abstract = abstract_state(run.model, optimizer, run.mesh)
+    lowered = lower_train_step(run, optimizer, abstract)
     finished = run.resuming and max(run.checkpoints.steps(), default=0) >= run.train.steps
     with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
         compiling = None if finished else compiler.submit(lowered.compile)
-        state, _, start_step = init_or_restore(run, optimizer, run.train.seed)
+        state, _, start_step = init_or_restore(run, optimizer, run.train.seed, abstract)
     if start_step >= run.train.steps:
         return state, start_step, None
     return state, start_step, compiling.result() if compiling else lowered.compile()

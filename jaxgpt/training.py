@@ -141,10 +141,15 @@ def abstract_state(model_cfg: GPTConfig, optimizer: optax.GradientTransformation
 
 
 def sharded_init(model_cfg, optimizer, key, mesh):
-    """Initialise directly into the shardings of abstract_state, in one program: a large model
-    never materialises on one device. `key` is a PRNG key or an integer seed."""
+    """(state, its shardings): a fresh state initialised into the shardings of abstract_state."""
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_state(model_cfg, optimizer, mesh))
+    return initialise_into(model_cfg, optimizer, key, shardings), shardings
+
+
+def initialise_into(model_cfg, optimizer, key, shardings: TrainState) -> TrainState:
+    """A fresh train state made directly in `shardings`, in one program: a large model never
+    materialises on one device. `key` is a PRNG key or an integer seed."""
     def init(k):
         return init_state(model_cfg, optimizer, k)
 
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_state(model_cfg, optimizer, mesh))
-    return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key), shardings
+    return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key)
