@@ -261,10 +261,11 @@ def records_loss(args, params, config, tokenizer, examples, data_section: dict, 
     from tqdm.auto import tqdm
 
     from jaxgpt import data
+    from jaxgpt.config import DataConfig
     from jaxgpt.evaluation import evaluate_examples
 
-    layout = data.plan(examples, config.block_size, data_section.get("packing", "pack"),
-                       data_section.get("truncate", "completion"))
+    records = DataConfig.from_mapping(data_section).records  # a run's saved data section, old or new
+    layout = data.plan(examples, config.block_size, records.packing, records.truncate)
     total = data.num_eval_rows(layout, batch_size)
     with tqdm(total=min(total, args.max_batches or total), unit="batch", desc="eval", file=sys.stderr,
               dynamic_ncols=True, mininterval=0.5) as bar:

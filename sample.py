@@ -10,7 +10,7 @@ before each new token, the K most likely next tokens under the model. Generation
 the tokenizer's <|eos|>. The work is done by jaxgpt.sampling, jaxgpt.beam and jaxgpt.text.
 
 Records runs: --record '{"question": "1+2"}' formats the prompt as training formatted the
-record's (the run's data.template, or data.prompt_template; for chat, the earlier turns with
+record's (the run's data.records.template, or its prompt_template; for chat, the earlier turns with
 their completions and <|eos|>, then "Assistant: ") and prints only the completion. --template
 names a preset instead (prompt_completion, alpaca, qa, chat; 'run' for the run's own). With
 --prompt and --template, the prompt text fills the template's first required field (qa:

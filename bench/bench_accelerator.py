@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run from a checkout, or loade
 import jax  # noqa: E402
 from table import print_table  # noqa: E402
 
-from jaxgpt import GPTConfig, flops_per_token  # noqa: E402
+from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token  # noqa: E402
 from jaxgpt.config import TrainConfig, load_config  # noqa: E402
 from jaxgpt.metrics import cached_matmul_peak  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
@@ -42,11 +42,14 @@ PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "N
 TOY = dict(n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=256)
 
 
-def model_config(toy: bool) -> GPTConfig:
-    values = dict(load_config(ROOT / "configs" / "gpt2_124m.py").model)
-    on_gpu = jax.default_backend() == "gpu"
-    cfg = GPTConfig.from_dict({**values, "attention": "cudnn" if on_gpu else "xla"})
-    return cfg.replace(**TOY) if toy else cfg
+def model(toy: bool) -> GPT:
+    """configs/gpt2_124m.py's model (or a toy one) as it runs here: its compute settings, with
+    the cudnn kernel on a GPU and xla elsewhere."""
+    config = load_config(ROOT / "configs" / "gpt2_124m.py")
+    cfg = GPTConfig.from_dict(dict(config.model))
+    kernel = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel})
+    return GPT(cfg.replace(**TOY) if toy else cfg, compute)
 
 
 def peak_flops() -> tuple[float, str]:
@@ -63,11 +66,11 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def train_numbers(cfg: GPTConfig, batch: int, steps: int) -> dict:
-    train = TrainConfig(steps=1000, warmup_steps=10)
+def train_numbers(gpt: GPT, batch: int, steps: int) -> dict:
+    cfg, train = gpt.cfg, TrainConfig(steps=1000, warmup_steps=10)
     optimizer = make_optimizer(train)
-    step = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(train)), donate_argnums=0)
-    state = jax.jit(lambda key: init_state(cfg, optimizer, key))(jax.random.key(0))
+    step = jax.jit(make_train_step(gpt, optimizer, learning_rate_schedule(train)), donate_argnums=0)
+    state = jax.jit(lambda key: init_state(gpt, optimizer, key))(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (batch, cfg.block_size + 1), 0, cfg.vocab_size)
     data = (tokens[:, :-1], tokens[:, 1:])
     start = time.perf_counter()
@@ -84,9 +87,10 @@ def train_numbers(cfg: GPTConfig, batch: int, steps: int) -> dict:
     return {"compile_s": compile_s, "step_s": statistics.median(times), "params": state.params}
 
 
-def sampling_tokens_per_s(cfg: GPTConfig, params, batch: int, new: int) -> float:
-    prompts = jax.random.randint(jax.random.key(3), (batch, 16), 0, cfg.vocab_size)
-    run = lambda: generate(params, cfg, prompts, jax.random.key(4), max_new_tokens=new, temperature=0.0)  # noqa: E731
+def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int) -> float:
+    prompts = jax.random.randint(jax.random.key(3), (batch, 16), 0, gpt.cfg.vocab_size)
+    run = lambda: generate(params, gpt.cfg, prompts, jax.random.key(4), max_new_tokens=new,  # noqa: E731
+                           temperature=0.0, compute=gpt.compute)
     jax.block_until_ready(run().tokens)  # compiles
     start = time.perf_counter()
     jax.block_until_ready(run().tokens)
@@ -101,9 +105,10 @@ def main(argv=None):
     parser.add_argument("--new", type=int, default=None, help="sampled tokens (default 256; 16 at toy size)")
     args = parser.parse_args(argv)
     toy = args.toy or jax.default_backend() == "cpu"
-    cfg = model_config(toy)
+    gpt = model(toy)
+    cfg = gpt.cfg
     batch, new = args.batch or (4 if toy else 16), args.new or (16 if toy else 256)
-    trained = train_numbers(cfg, batch, args.steps)
+    trained = train_numbers(gpt, batch, args.steps)
     tokens_per_s = batch * cfg.block_size / trained["step_s"]
     peak, device = peak_flops()
     rows = [
@@ -112,11 +117,12 @@ def main(argv=None):
         ("train tokens/s", f"{tokens_per_s:,.0f}"),
         ("MFU", f"{flops_per_token(cfg, cfg.block_size) * tokens_per_s / peak:.1%}"),
         ("peak memory (GiB)", f"{peak_memory_gib():.2f}"),
-        *((f"sampling tokens/s, batch {b}", f"{sampling_tokens_per_s(cfg, trained['params'], b, new):,.0f}")
+        *((f"sampling tokens/s, batch {b}", f"{sampling_tokens_per_s(gpt, trained['params'], b, new):,.0f}")
           for b in (1, 32)),
     ]
     print(f"{device}; {'toy model' if toy else 'GPT-2 small'} ({cfg.n_layer} layers, d {cfg.d_model}, "
-          f"block {cfg.block_size}), {cfg.dtype}, attention={cfg.attention}, batch {batch}, median of {args.steps}")
+          f"block {cfg.block_size}), {gpt.compute.dtype}, kernel={gpt.compute.kernel}, batch {batch}, "
+          f"median of {args.steps}")
     print_table(("measure", "value"), rows)
     return rows
 

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from table import print_table  # noqa: E402
 
-from jaxgpt import GPTConfig  # noqa: E402
+from jaxgpt import GPT, ComputeConfig, GPTConfig  # noqa: E402
 from jaxgpt.config import TrainConfig  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.training import init_state, make_train_step  # noqa: E402
@@ -34,11 +34,12 @@ from jaxgpt.training import init_state, make_train_step  # noqa: E402
 BATCH = 8
 
 
-def compile_seconds(cfg: GPTConfig) -> float:
+def compile_seconds(cfg: GPTConfig, scan_layers: bool = False) -> float:
     train = TrainConfig(steps=100, warmup_steps=10)
     optimizer = make_optimizer(train)
-    step = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(train)))
-    state = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
+    model = GPT(cfg, ComputeConfig(scan_layers=scan_layers))
+    step = jax.jit(make_train_step(model, optimizer, learning_rate_schedule(train)))
+    state = jax.eval_shape(lambda: init_state(model, optimizer, jax.random.key(0)))
     batch = (jax.ShapeDtypeStruct((BATCH, cfg.block_size), jnp.int32),) * 2
     key = jax.eval_shape(lambda: jax.random.key(0))
     start = time.perf_counter()
@@ -58,8 +59,8 @@ def main():
     seconds = {}
     for scan in (False, True):
         for n_layer in depths:
-            cfg = base.replace(n_layer=n_layer, scan_layers=scan)
-            seconds[scan, n_layer] = statistics.median(compile_seconds(cfg) for _ in range(args.repeat))
+            cfg = base.replace(n_layer=n_layer)
+            seconds[scan, n_layer] = statistics.median(compile_seconds(cfg, scan) for _ in range(args.repeat))
     rows = [(("scan" if scan else "loop"), *(f"{seconds[scan, n]:.1f}" for n in depths),
              f"{seconds[scan, depths[-1]] / seconds[scan, depths[0]]:.2f}×") for scan in (False, True)]
     rows.append(("loop / scan", *(f"{seconds[False, n] / seconds[True, n]:.2f}×" for n in depths), ""))

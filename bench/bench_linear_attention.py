@@ -3,7 +3,7 @@
     python bench/bench_linear_attention.py [--batch 8] [--repeat 5]
 
 One model shape (4 layers, d 256, 4 heads of 64, rope, vocab 256, block_size 2048 so that no
-sequence here is cropped), once with attention='explicit' (softmax, KV cache) and once with
+sequence here is cropped), once with attention='softmax' (the KV cache) and once with
 attention='linear' (the recurrent state S, z). For a sequence at n = 64, 256 and 1024 tokens:
 the prompt of n tokens is prefilled (not timed), then one compiled loop feeds m = 32 tokens
 one at a time through the model with the cache, as the sampler's steps do; its median time

@@ -5,7 +5,7 @@
 Pages of running text (words, numbers, dates, punctuation; a fixed seed) are rendered with
 Pillow in DejaVu Sans on a 1000×1400 page (A5 at 170 dpi) at each font size in pixels (20 px
 ≈ 8.5 pt, 25 px ≈ 10.5 pt, 33 px ≈ 14 pt at that resolution), saved as PNG files, and
-prepared from a cold cache with data.ocr_workers 1 and 2: pages/s is pages over the whole
+prepared from a cold cache with data.ocr.workers 1 and 2: pages/s is pages over the whole
 prepare's wall time. The same pages as one image-only PDF measure the scanned-PDF path
 (rendered at 300 dpi, then recognised). The peer, side by side on the same pages: Tesseract
 run the plain way, one page after another with its own OpenMP threads (no OMP_THREAD_LIMIT),
@@ -97,7 +97,7 @@ def prepared_documents(source: Path, workers: int) -> tuple[float, list[str]]:
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
         corpus = data.prepare({"source": str(source), "cache_dir": cache, "val_fraction": 0.0,
-                               "tokenizer": "char", "ocr_workers": workers})
+                               "tokenizer": "char", "ocr": {"workers": workers}})
         seconds = time.perf_counter() - start
         ids = [int(i) for i in corpus.train]
     pieces, current = [], []
@@ -172,9 +172,9 @@ def main() -> None:
     n = len(pages)
     print_table(("pages", "how", "seconds", "pages/s", "vs peer"), [
         ("PNG", "Tesseract, OpenMP threads, 1 page at a time (peer)", f"{peer:.1f}", f"{n / peer:.2f}", "1.00"),
-        *[("PNG", f"data.prepare, ocr_workers={w}", f"{s:.1f}", f"{n / s:.2f}", f"{peer / s:.2f}")
+        *[("PNG", f"data.prepare, ocr.workers={w}", f"{s:.1f}", f"{n / s:.2f}", f"{peer / s:.2f}")
           for w, (s, _) in runs.items()],
-        ("PDF (image only)", "data.prepare, ocr_workers=2, 300 dpi", f"{pdf_seconds:.1f}", f"{n / pdf_seconds:.2f}",
+        ("PDF (image only)", "data.prepare, ocr.workers=2, 300 dpi", f"{pdf_seconds:.1f}", f"{n / pdf_seconds:.2f}",
          f"{peer / pdf_seconds:.2f}"),
     ])
     print()

@@ -7,7 +7,7 @@ The corpus (≥ 1 GB at --scale 1) is generated: the standard library's .py file
 and over, each copy changed deterministically (some identifiers renamed, a header naming the
 copy), plus tinyshakespeare when it is in the shared/ folder beside the repo. Its thirds are
 directories, so 0.25, 0.5 and 1 × scale GB corpora are a directory, a glob of two and the
-whole. Every preparation runs in its own process (as `python -m jaxgpt.data.prepare` would)
+whole. Every preparation runs in its own process (as `python -m jaxgpt.data` would)
 with byte-level BPE 8192, trained once on a sample and then given as a file, so the rows
 measure reading, encoding and writing, not BPE training (whose time is printed apart).
 

@@ -1,5 +1,5 @@
 """Supervised fine-tuning on records, on a task with a checkable answer: look-ups in a table
-that the project generates (jaxgpt.data.generated; nothing is downloaded). Each record
+that the project generates (jaxgpt.data.sources.generated; nothing is downloaded). Each record
 
     {"context": "fruit=fig city=Lima color=red metal=tin", "question": "What is the city?", "answer": "Lima"}
 
@@ -13,8 +13,8 @@ within each. About 2½ minutes on 2 CPU cores; 5% of the records are held out.
     python eval.py --run_dir=runs/finetune_records --records     # exact match on the held-out records
 
 Your own records: --config.data.source=PATH (.jsonl, .json, .csv, .tsv) with
---config.data.template (prompt_completion, alpaca, qa, chat) or your own
---config.data.prompt_template / completion_template.
+--config.data.records.template (prompt_completion, alpaca, qa, chat) or your own
+--config.data.records.prompt_template / completion_template.
 """
 
 from jaxgpt.config import default_config
@@ -22,8 +22,8 @@ from jaxgpt.config import default_config
 
 def get_config():
     config = default_config()
-    config.data.update(source="generated:lookup", format="records", template="qa", tokenizer="bpe", vocab_size=512,
-                       val_fraction=0.05, loss_on="completion", packing="pack")
+    config.data.update(source="generated:lookup", format="records", tokenizer="bpe", vocab_size=512, val_fraction=0.05)
+    config.data.records.update(template="qa", loss_on="completion", packing="pack")
     config.model.update(n_layer=4, n_head=8, d_model=128, block_size=112, dropout=0.0, bias=False)
     config.train.update(
         steps=1000, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100, b1=0.9, b2=0.99, weight_decay=0.1,

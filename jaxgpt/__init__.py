@@ -6,11 +6,13 @@ data-preparation worker) does not start JAX."""
 from jaxgpt.lazy import lazy_exports
 
 _EXPORTS = {
-    "GPTConfig": "jaxgpt.model_config",
-    "KVCache": "jaxgpt.caches", "LinearCache": "jaxgpt.caches", "init_cache": "jaxgpt.caches",
+    "GPTConfig": "jaxgpt.model_config", "ComputeConfig": "jaxgpt.model_config",
+    "KVCache": "jaxgpt.attention", "LinearCache": "jaxgpt.attention", "RingCache": "jaxgpt.attention",
+    "init_cache": "jaxgpt.attention",
     "GPT": "jaxgpt.model", "flops_per_token": "jaxgpt.model", "param_count": "jaxgpt.model",
 }
-__all__ = ["GPT", "GPTConfig", "KVCache", "LinearCache", "init_cache", "param_count", "flops_per_token"]
+__all__ = ["GPT", "ComputeConfig", "GPTConfig", "KVCache", "LinearCache", "RingCache", "init_cache", "param_count",
+           "flops_per_token"]
 __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -8,13 +8,15 @@ search crops past the context and uses the KV cache exactly as `jaxgpt.sampling.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.caches import KVCache
-from jaxgpt.config import GPTConfig, is_int, is_number
+from jaxgpt.config import ComputeConfig, GPTConfig, is_int, is_number
 from jaxgpt.decoding import check_reach, next_logits, prompt_batch, start_cache
+from jaxgpt.model import GPT
 
 
 @flax.struct.dataclass
@@ -36,7 +38,7 @@ class _BeamState:
     step: jax.Array  # () tokens added so far; every live beam has prompt length + step tokens
     tokens: jax.Array  # (K, W) live beams
     sums: jax.Array  # (K,) their log-probabilities (−∞: no beam in this slot)
-    cache: KVCache | None
+    cache: Any  # the attention form's cache (jaxgpt.attention)
     finished_tokens: jax.Array  # (K, W) the best hypotheses that ended with EOS
     finished_lengths: jax.Array  # (K,)
     finished_scores: jax.Array  # (K,)
@@ -88,10 +90,11 @@ def _beam_step(state: _BeamState, logits, prompt_length, eos_id, length_penalty,
     return state, origin
 
 
-@jax.jit(static_argnames=("config", "num_beams", "max_new_tokens"))
+@jax.jit(static_argnames=("config", "compute", "num_beams", "max_new_tokens"))
 def _beam_search_program(params, prompt, prompt_length, eos_id, length_penalty, *, config: GPTConfig,
-                         num_beams: int, max_new_tokens: int) -> Beams:
+                         compute: ComputeConfig, num_beams: int, max_new_tokens: int) -> Beams:
     """`beam_search` of one prompt (P,) padded to its bucket, as one compiled while loop."""
+    model = GPT(config, compute)
     k, width = num_beams, prompt.shape[0] + max_new_tokens
     tokens = jnp.where(jnp.arange(width) < prompt_length, jnp.pad(prompt, (0, max_new_tokens)), 0)
     tokens = jnp.tile(tokens[None], (k, 1))
@@ -100,7 +103,7 @@ def _beam_search_program(params, prompt, prompt_length, eos_id, length_penalty, 
         step=jnp.zeros((), jnp.int32),
         tokens=tokens,
         sums=jnp.full((k,), -jnp.inf).at[0].set(0.0),  # one beam to start from, not K copies
-        cache=start_cache(params, config, tokens, lengths(0), prompt.shape[0]),
+        cache=start_cache(params, model, tokens, lengths(0), prompt.shape[0]),
         finished_tokens=tokens,
         finished_lengths=jnp.zeros((k,), jnp.int32),
         finished_scores=jnp.full((k,), -jnp.inf),
@@ -108,7 +111,7 @@ def _beam_search_program(params, prompt, prompt_length, eos_id, length_penalty, 
     )
 
     def step(s):
-        logits, cache = next_logits(params, config, s.cache, s.tokens, lengths(s.step), jnp.ones((k,), bool), s.step)
+        logits, cache = next_logits(params, model, s.cache, s.tokens, lengths(s.step), jnp.ones((k,), bool), s.step)
         s, origin = _beam_step(s, logits, prompt_length, eos_id, length_penalty, max_new_tokens)
         return s.replace(cache=jax.tree.map(lambda x: x[origin], cache))  # each beam takes its origin's cache
 
@@ -129,7 +132,7 @@ def _beam_search_program(params, prompt, prompt_length, eos_id, length_penalty, 
 
 
 def beam_search(params, config: GPTConfig, prompt, *, num_beams: int, max_new_tokens: int,
-                length_penalty: float = 1.0, eos_id: int | None = None) -> Beams:
+                length_penalty: float = 1.0, eos_id: int | None = None, compute: ComputeConfig | None = None) -> Beams:
     """The num_beams most likely continuations of one prompt (a sequence of token ids).
 
     Each step extends every live beam by every token and keeps the num_beams best; a beam
@@ -137,7 +140,8 @@ def beam_search(params, config: GPTConfig, prompt, *, num_beams: int, max_new_to
     (length_penalty > 0 favours longer continuations, < 0 shorter ones). The search stops
     at max_new_tokens, or sooner once no live beam can beat the finished ones. Past the
     context it crops like `jaxgpt.sampling.generate`. With num_beams=1 and no eos_id this is greedy
-    decoding; with num_beams ≥ V^(max_new_tokens−1) it is exhaustive.
+    decoding; with num_beams ≥ V^(max_new_tokens−1) it is exhaustive. compute: how the model
+    runs here (default float32, the explicit kernel).
     """
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
@@ -152,7 +156,8 @@ def beam_search(params, config: GPTConfig, prompt, *, num_beams: int, max_new_to
     prompts, prompt_lengths, longest = prompt_batch(config, [prompt], None, 0)
     check_reach(config, prompts, longest, max_new_tokens)
     result = _beam_search_program(params, prompts[0], prompt_lengths[0], jnp.int32(-1 if eos_id is None else eos_id),
-                                  jnp.float32(length_penalty), config=config, num_beams=num_beams,
+                                  jnp.float32(length_penalty), config=config, compute=compute or ComputeConfig(),
+                                  num_beams=num_beams,
                                   max_new_tokens=max_new_tokens)
     return result.replace(tokens=result.tokens[:, :longest + max_new_tokens])
 

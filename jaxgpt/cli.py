@@ -10,7 +10,7 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
-from jaxgpt.config import load_config, unknown_key
+from jaxgpt.config import MOVED_KEYS, load_config, unknown_key
 from jaxgpt.errors import ConfigError, one_line
 
 
@@ -29,16 +29,23 @@ def parse_config(argv: list[str], default_file: str | os.PathLike):
         raise ConfigError(f"{error.filename}:{error.lineno}: {error.msg} (a syntax error in the config file)") \
             from None
     except (AttributeError, KeyError) as error:  # an override naming a key the config does not have
-        overrides = [arg.split("=", 1)[0][len("--config."):] for arg in argv if arg.startswith("--config.")]
         base = load_config(_config_file(argv, default_file))
-        raise ConfigError(next(filter(None, (unknown_key(base, key) for key in overrides)), None)
+        raise ConfigError(next(filter(None, (unknown_key(base, key) for key in _overridden(argv))), None)
                           or one_line(error)) from None
     except (flags.Error, ValueError, TypeError, ImportError, OSError) as error:
-        raise ConfigError(" ".join(line.strip() for line in str(error).strip().splitlines())
+        # e.g. --config.data.ocr=never: data.ocr is a section now, its old value data.ocr.mode
+        moved = [f"{key} is a section now: the old {key} is {MOVED_KEYS[key]}" for key in _overridden(argv)
+                 if key in MOVED_KEYS]
+        raise ConfigError(next(iter(moved), None) or " ".join(line.strip() for line in str(error).strip().splitlines())
                           or type(error).__name__) from None
     if config.run_dir is None:
         config.run_dir = str(Path("runs") / Path(_config_file(argv, default_file)).stem)
     return config
+
+
+def _overridden(argv: list[str]) -> list[str]:
+    """The dotted keys of argv's --config.KEY=VALUE overrides."""
+    return [arg.split("=", 1)[0][len("--config."):] for arg in argv if arg.startswith("--config.")]
 
 
 def _config_file(argv: list[str], default_file: str | os.PathLike) -> str:

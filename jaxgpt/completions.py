@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxgpt.config import DataConfig, GPTConfig
+from jaxgpt.config import DataConfig, GPTConfig, RecordsConfig
 from jaxgpt.data import Examples, encode_turns
 from jaxgpt.data.records import PRESETS, Record, Template, Templates, chat_turns, templates
 from jaxgpt.sampling import SamplingOptions, generate
@@ -161,13 +161,12 @@ def templates_named(name: str, data: Mapping[str, Any] | None = None) -> Templat
         if name not in PRESETS:
             raise ValueError(f"--template {name!r} is not a preset: choose one of {', '.join(PRESETS)}, or "
                              f"{RUN_TEMPLATE!r} for the run's own")
-        return templates(DataConfig(format="records", template=name))
-    data = data or {}
-    if data.get("format") != "records":
-        raise ValueError(f"the run trained on {data.get('format', 'text')!r} data, not records, so it has no "
+        return templates(RecordsConfig(template=name))
+    settings = DataConfig.from_mapping(data or {})  # a saved data section, its sections or the flat keys before
+    if settings.format != "records":
+        raise ValueError(f"the run trained on {settings.format!r} data, not records, so it has no "
                          f"template: name a preset with --template ({', '.join(PRESETS)})")
-    keys = ("format", "template", "prompt_template", "completion_template")
-    return templates(DataConfig.from_mapping({key: data[key] for key in keys if key in data}))
+    return templates(settings.records)
 
 
 def required_fields(template: Template) -> list[str]:

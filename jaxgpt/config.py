@@ -1,10 +1,12 @@
 """The one schema of a run: every key a run reads, its default and its check.
 
-    GPTConfig     the model's shape and choices (config.model; jaxgpt.model_config)
-    DataConfig    where the text comes from and how it becomes tokens (config.data)
+    GPTConfig     the model's identity: the function it computes (config.model; jaxgpt.model_config)
+    ComputeConfig how it runs here: kernel, remat, dtypes, scan_layers (config.compute)
+    DataConfig    where the text comes from and how it becomes tokens (config.data): the keys
+                  every source shares, and a section per source kind (data.tfds, data.hf, ...)
     TrainConfig   the optimizer, schedule, batches, logging and checkpoints (config.train)
     default_config()   the whole run as an ml_collections ConfigDict: the three above, plus
-                  sample, mesh, distributed, init_from, run_dir and resume
+                  compute, sample, mesh, distributed, init_from, run_dir and resume
 
 Defaults live here and nowhere else: configs/*.py start from default_config(), the command
 line overrides any key, and each section is checked by its dataclass when a run reads it.
@@ -24,7 +26,7 @@ from typing import Any
 from ml_collections import ConfigDict, config_dict
 
 from jaxgpt.errors import ConfigError, DataError
-from jaxgpt.model_config import GPTConfig, is_int, is_number
+from jaxgpt.model_config import COMPUTE_KEYS, ComputeConfig, GPTConfig, is_int, is_number
 
 RESUME = ("auto", "never", "must")
 
@@ -40,20 +42,98 @@ def _from_mapping(cls, values: Mapping[str, Any], section: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """The data section (jaxgpt.data reads it).
+class FilesConfig:
+    """data.files: how local files are read: a file, directory or glob source, stdlib, and the
+    generated records (jaxgpt.data.sources.files).
 
-    source: 'stdlib' | a file, directory or glob | 'tfds:NAME[:SPLIT]' | 'hf:NAME_OR_PATH[:CONFIG][:SPLIT]'.
-    val_source: None (hold out part of `source`) or a second source for validation, e.g.
-      'tfds:NAME:validation'; `val_fraction` is then unused.
     text_field: the field of each `.jsonl` line that holds the text.
-    tfds_text_feature: the feature of a TFDS example that holds the text.
-    tfds_data_dir: where TFDS datasets are prepared; None = TFDS's default
-      (~/tensorflow_datasets, or $TFDS_DATA_DIR).
-    format: 'text' (documents become one stream of tokens) | 'records' (each record of the
-      .jsonl/.json/.csv/.tsv files becomes an example: a prompt and a completion, the loss
-      on the completion; jaxgpt.data.records).
-    template: a preset of records' templates: 'prompt_completion', 'alpaca', 'qa' or 'chat'
+    on_bad_file: 'warn' (a file that cannot be read, e.g. a corrupt image or PDF, is skipped with
+      a warning naming it) | 'error' (it stops the preparation).
+    """
+
+    text_field: str = "text"
+    on_bad_file: str = "warn"
+
+    def __post_init__(self):
+        _check_data(_is_text(self.text_field), "files.text_field", self.text_field, "a non-empty string")
+        _check_choice("files.on_bad_file", self.on_bad_file, ("warn", "error"))
+
+
+@dataclasses.dataclass(frozen=True)
+class OcrConfig:
+    """data.ocr: the text of images and scanned PDF pages among local files, read by Tesseract
+    (jaxgpt.data.ocr; needs the program and the ocr extra). Recognised text is cached under
+    cache_dir/ocr.
+
+    mode: 'auto' (images, and PDF pages without a text layer, are read by OCR) | 'always' (every
+      PDF page too) | 'never' (images are binary files, skipped).
+    lang: Tesseract's language(s), e.g. 'eng' or 'eng+deu' (apt-get install tesseract-ocr-deu).
+    workers: pages recognised at once; None = the CPU cores.
+    min_confidence: in [0, 100]: files whose mean OCR word confidence is lower are listed in a
+      warning; None = no threshold.
+    drop_low_confidence: True = those files are left out of the corpus (needs min_confidence).
+    """
+
+    mode: str = "auto"
+    lang: str = "eng"
+    workers: int | None = None
+    min_confidence: float | None = None
+    drop_low_confidence: bool = False
+
+    def __post_init__(self):
+        _check_choice("ocr.mode", self.mode, ("auto", "always", "never"))
+        lang = self.lang
+        _check_data(_is_text(lang) and not any(c.isspace() for c in lang), "ocr.lang", lang,
+                    "Tesseract language codes joined by '+', e.g. 'eng' or 'eng+deu'")
+        workers = self.workers
+        _check_data(workers is None or (is_int(workers) and workers > 0), "ocr.workers", workers,
+                    "None or a positive integer")
+        threshold = self.min_confidence
+        _check_data(threshold is None or (is_number(threshold) and 0 <= threshold <= 100), "ocr.min_confidence",
+                    threshold, "None or a number in [0, 100]")
+        _check_data(isinstance(self.drop_low_confidence, bool), "ocr.drop_low_confidence", self.drop_low_confidence,
+                    "True or False")
+        if self.drop_low_confidence and threshold is None:
+            raise DataError("data.ocr.drop_low_confidence=True needs data.ocr.min_confidence (e.g. 60): the "
+                            "confidence below which a file is dropped")
+
+
+@dataclasses.dataclass(frozen=True)
+class TfdsConfig:
+    """data.tfds: a 'tfds:NAME[:SPLIT]' source (jaxgpt.data.sources.tfds).
+
+    text_feature: the feature of a TFDS example that holds the text.
+    data_dir: where TFDS datasets are prepared; None = TFDS's default (~/tensorflow_datasets,
+      or $TFDS_DATA_DIR).
+    """
+
+    text_feature: str = "text"
+    data_dir: str | None = None
+
+    def __post_init__(self):
+        _check_data(_is_text(self.text_feature), "tfds.text_feature", self.text_feature, "a non-empty string")
+        _check_data(self.data_dir is None or _is_text(self.data_dir), "tfds.data_dir", self.data_dir,
+                    "None or a non-empty string")
+
+
+@dataclasses.dataclass(frozen=True)
+class HfConfig:
+    """data.hf: an 'hf:NAME_OR_PATH[:CONFIG][:SPLIT]' source (jaxgpt.data.sources.hf).
+
+    text_field: the column of each row that holds the text.
+    """
+
+    text_field: str = "text"
+
+    def __post_init__(self):
+        _check_data(_is_text(self.text_field), "hf.text_field", self.text_field, "a non-empty string")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordsConfig:
+    """data.records: how records become examples under data.format='records' (jaxgpt.data.records).
+
+    template: a preset of templates: 'prompt_completion', 'alpaca', 'qa' or 'chat'
       (jaxgpt.data.records.PRESETS); None = prompt_template and completion_template.
     prompt_template, completion_template: a record's prompt and completion, '{field}'
       placeholders (nested keys '{a.b}'), '[[…]]' a part left out when its fields are empty.
@@ -64,6 +144,52 @@ class DataConfig:
       counted) | 'error' (either stops the run, naming the record).
     packing: 'pack' (examples share rows, attention kept within each) | 'pad' (one example
       per row, the rest padding).
+    """
+
+    template: str | None = None
+    prompt_template: str | None = None
+    completion_template: str | None = None
+    loss_on: str = "completion"
+    truncate: str = "completion"
+    packing: str = "pack"
+
+    def __post_init__(self):
+        for key, valid in (("loss_on", ("completion", "all")), ("truncate", ("completion", "error")),
+                           ("packing", ("pack", "pad"))):
+            _check_choice(f"records.{key}", getattr(self, key), valid)
+        for key in ("template", "prompt_template", "completion_template"):
+            value = getattr(self, key)
+            _check_data(value is None or _is_text(value), f"records.{key}", value, "None or a non-empty string")
+
+
+# The flat keys of the data section before each source had its own section: a run directory
+# written then reads as the sections, and the command line names the new key.
+FLAT_DATA_KEYS = {
+    "text_field": ("files.text_field", "hf.text_field"),
+    "on_bad_file": ("files.on_bad_file",),
+    "tfds_text_feature": ("tfds.text_feature",),
+    "tfds_data_dir": ("tfds.data_dir",),
+    "ocr": ("ocr.mode",),
+    **{f"ocr_{key}": (f"ocr.{key}",) for key in ("lang", "workers", "min_confidence", "drop_low_confidence")},
+    **{key: (f"records.{key}",) for key in ("template", "prompt_template", "completion_template", "loss_on",
+                                            "truncate", "packing")},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The data section (jaxgpt.data reads it): the keys every source shares, and one section
+    per source kind or reader with that one's own keys (data.files, data.ocr, data.tfds,
+    data.hf, data.records; each class's docstring lists its keys).
+
+    source: a file, directory or glob | 'stdlib' | 'tfds:NAME[:SPLIT]' |
+      'hf:NAME_OR_PATH[:CONFIG][:SPLIT]' | 'generated:NAME[:COUNT]' (jaxgpt.data.sources: the
+      scheme before ':' picks the source kind).
+    val_source: None (hold out part of `source`) or a second source for validation, e.g.
+      'tfds:NAME:validation'; `val_fraction` is then unused.
+    format: 'text' (documents become one stream of tokens) | 'records' (each record of the
+      .jsonl/.json/.csv/.tsv files becomes an example: a prompt and a completion, the loss
+      on the completion; data.records).
     tokenizer: 'char' | 'word' | 'bpe' | 'wordpiece' | 'unigram' (train a new one on the train
       split) or the path of a tokenizer file written by `Tokenizer.save`.
     vocab_size: ids of a new tokenizer, special ones included; None = every character or
@@ -82,30 +208,11 @@ class DataConfig:
       CPU cores. shard_tokens: the most ids in one {split}-NNNNN.bin file of a text split.
     encode_batch_bytes: characters encoded in one batch, 2 · workers batches at a time: with
       the tokenizer sample, the bound on a preparation's memory (a document is read whole).
-    ocr: 'auto' (images, and PDF pages without a text layer, are read by OCR) | 'always' (every
-      PDF page too) | 'never' (images are binary files, skipped). Needs Tesseract and the ocr
-      extra (jaxgpt.data.ocr); recognised text is cached under cache_dir/ocr.
-    ocr_lang: Tesseract's language(s), e.g. 'eng' or 'eng+deu' (apt-get install tesseract-ocr-deu).
-    ocr_workers: pages recognised at once; None = the CPU cores.
-    ocr_min_confidence: in [0, 100]: files whose mean OCR word confidence is lower are listed in a
-      warning; None = no threshold.
-    ocr_drop_low_confidence: True = those files are left out of the corpus (needs ocr_min_confidence).
-    on_bad_file: 'warn' (a file that cannot be read, e.g. a corrupt image or PDF, is skipped with
-      a warning naming it) | 'error' (it stops the preparation).
     """
 
     source: str = "stdlib"
     val_source: str | None = None
-    text_field: str = "text"
-    tfds_text_feature: str = "text"
-    tfds_data_dir: str | None = None
     format: str = "text"
-    template: str | None = None
-    prompt_template: str | None = None
-    completion_template: str | None = None
-    loss_on: str = "completion"
-    truncate: str = "completion"
-    packing: str = "pack"
     tokenizer: str = "char"
     vocab_size: int | None = None
     val_fraction: float = 0.1
@@ -117,20 +224,18 @@ class DataConfig:
     workers: int | None = None
     shard_tokens: int = 100_000_000
     encode_batch_bytes: int = 1 << 22
-    ocr: str = "auto"
-    ocr_lang: str = "eng"
-    ocr_workers: int | None = None
-    ocr_min_confidence: float | None = None
-    ocr_drop_low_confidence: bool = False
-    on_bad_file: str = "warn"
+    files: FilesConfig = dataclasses.field(default_factory=FilesConfig)
+    ocr: OcrConfig = dataclasses.field(default_factory=OcrConfig)
+    tfds: TfdsConfig = dataclasses.field(default_factory=TfdsConfig)
+    hf: HfConfig = dataclasses.field(default_factory=HfConfig)
+    records: RecordsConfig = dataclasses.field(default_factory=RecordsConfig)
 
     def __post_init__(self):
-        for key in ("source", "text_field", "tfds_text_feature", "tokenizer"):
-            _check_data(isinstance(getattr(self, key), str) and getattr(self, key), key, getattr(self, key),
-                        "a non-empty string")
-        for key in ("val_source", "tfds_data_dir", "cache_dir"):
+        for key in ("source", "tokenizer"):
+            _check_data(_is_text(getattr(self, key)), key, getattr(self, key), "a non-empty string")
+        for key in ("val_source", "cache_dir"):
             value = getattr(self, key)
-            _check_data(value is None or (isinstance(value, str) and value), key, value, "None or a non-empty string")
+            _check_data(value is None or _is_text(value), key, value, "None or a non-empty string")
         for key in ("vocab_size", "max_documents", "max_bytes", "eval_stride", "workers"):
             value = getattr(self, key)
             _check_data(value is None or (is_int(value) and value > 0), key, value, "None or a positive integer")
@@ -139,44 +244,27 @@ class DataConfig:
             _check_data(is_int(value) and value > 0, key, value, "a positive integer")
         fraction = self.val_fraction
         _check_data(is_number(fraction) and 0 <= fraction < 1, "val_fraction", fraction, "a number in [0, 1)")
+        _check_choice("format", self.format, ("text", "records"))
         if self.tokenizer == "bpe" and self.vocab_size is None:
             raise DataError("data.tokenizer='bpe' needs data.vocab_size (e.g. 4096; at least 259: 256 bytes + 3 "
                             "special tokens)")
         if self.tokenizer in ("wordpiece", "unigram") and self.vocab_size is None:
             raise DataError(f"data.tokenizer={self.tokenizer!r} needs data.vocab_size (e.g. 4096; at least 5: 4 "
                             "special tokens + 1 piece)")
-        self._check_records()
-        self._check_ocr()
-
-    def _check_records(self) -> None:
-        for key, valid in (("format", ("text", "records")), ("loss_on", ("completion", "all")),
-                           ("truncate", ("completion", "error")), ("packing", ("pack", "pad"))):
-            value = getattr(self, key)
-            _check_data(value in valid, key, value, " or ".join(map(repr, valid)))
-        for key in ("template", "prompt_template", "completion_template"):
-            value = getattr(self, key)
-            _check_data(value is None or (isinstance(value, str) and value), key, value, "None or a non-empty string")
-
-    def _check_ocr(self) -> None:
-        _check_data(self.ocr in ("auto", "always", "never"), "ocr", self.ocr, "'auto', 'always' or 'never'")
-        lang = self.ocr_lang
-        _check_data(isinstance(lang, str) and lang and not any(c.isspace() for c in lang), "ocr_lang", lang,
-                    "Tesseract language codes joined by '+', e.g. 'eng' or 'eng+deu'")
-        workers = self.ocr_workers
-        _check_data(workers is None or (is_int(workers) and workers > 0), "ocr_workers", workers,
-                    "None or a positive integer")
-        threshold = self.ocr_min_confidence
-        _check_data(threshold is None or (is_number(threshold) and 0 <= threshold <= 100), "ocr_min_confidence",
-                    threshold, "None or a number in [0, 100]")
-        _check_data(isinstance(self.ocr_drop_low_confidence, bool), "ocr_drop_low_confidence",
-                    self.ocr_drop_low_confidence, "True or False")
-        if self.ocr_drop_low_confidence and threshold is None:
-            raise DataError("data.ocr_drop_low_confidence=True needs data.ocr_min_confidence (e.g. 60): the "
-                            "confidence below which a file is dropped")
-        _check_data(self.on_bad_file in ("warn", "error"), "on_bad_file", self.on_bad_file, "'warn' or 'error'")
+        for name, kind in _sections(DataConfig).items():
+            section = getattr(self, name)
+            _check_data(isinstance(section, kind), name, section, f"a {kind.__name__} (the data.{name} section)")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DataConfig:
+        """The data section `values` (a dict or ConfigDict, its sections nested), checked; the flat
+        keys of a run directory written before the sections (FLAT_DATA_KEYS) read as theirs."""
+        values = _unflattened(_plain(values))
+        for name, kind in _sections(cls).items():
+            if name in values:
+                section = values[name]
+                _check_data(isinstance(section, Mapping), name, section, f"a mapping of the data.{name} keys")
+                values[name] = _from_mapping(kind, section, f"data.{name}")
         return _from_mapping(cls, values, "data")
 
     @property
@@ -184,6 +272,41 @@ class DataConfig:
         """The cache directory, with its default resolved."""
         default = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxgpt", "data")
         return Path(self.cache_dir or default).expanduser()
+
+
+def _sections(cls) -> dict[str, type]:
+    """The nested sections of a config dataclass: its fields whose default is a dataclass."""
+    return {field.name: field.default_factory for field in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(field.default_factory)}
+
+
+def _plain(values: Mapping[str, Any] | ConfigDict) -> dict[str, Any]:
+    """A config section, its sections too, as plain dicts (a ConfigDict's placeholders as None)."""
+    if isinstance(values, ConfigDict):
+        return values.to_dict()
+    return {key: _plain(value) if isinstance(value, (Mapping, ConfigDict)) else value for key, value in values.items()}
+
+
+def _unflattened(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each flat key of FLAT_DATA_KEYS moved into its section (a key the section
+    sets itself wins)."""
+    for old, new in FLAT_DATA_KEYS.items():
+        if old in values and not isinstance(values[old], Mapping):
+            value = values.pop(old)
+            for dotted in new:
+                name, key = dotted.split(".")
+                section = values.get(name, {})
+                values[name] = {key: value, **section} if isinstance(section, Mapping) else section
+    return values
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _check_choice(key: str, value: Any, valid: tuple[str, ...]) -> None:
+    *first, last = map(repr, valid)
+    _check_data(value in valid, key, value, f"{', '.join(first)} or {last}")
 
 
 def _check_data(ok: Any, key: str, value: Any, expected: str) -> None:
@@ -269,6 +392,9 @@ def _section(cls, **overrides: Any) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     section = {}
     for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(field.default_factory):  # a nested section (data.ocr): its own keys
+            section[field.name] = _section(field.default_factory)
+            continue
         value = field.default
         if value is None:
             kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
@@ -284,6 +410,8 @@ def default_config() -> ConfigDict:
     return ConfigDict({
         # vocab_size 0: the tokenizer's vocabulary size
         "model": _section(GPTConfig, vocab_size=0),
+        # how the model runs here: any of it may change on a resume or for sampling
+        "compute": _section(ComputeConfig),
         "data": _section(DataConfig),
         "train": _section(TrainConfig),
         "sample": {"prompt": "\n", "max_new_tokens": 200, "temperature": 0.8, "top_k": 40},
@@ -306,6 +434,11 @@ def default_config() -> ConfigDict:
     })
 
 
+# keys that moved to a section: an override of the old name is told the new one
+MOVED_KEYS = {f"data.{old}": " or ".join(f"'data.{key}'" for key in new) for old, new in FLAT_DATA_KEYS.items()}
+MOVED_KEYS.update({f"model.{key}": f"'compute.{key}' (how the model runs, not what it is)" for key in COMPUTE_KEYS})
+
+
 def unknown_key(config: ConfigDict, dotted: str) -> str | None:
     """None when `dotted` (e.g. 'train.lr') names a key of `config`; else a one-line message
     naming the first missing part and the nearest existing key."""
@@ -315,6 +448,8 @@ def unknown_key(config: ConfigDict, dotted: str) -> str | None:
             siblings = list(node.keys()) if isinstance(node, ConfigDict) else []
             near = difflib.get_close_matches(part, siblings, n=1)
             where = ".".join([*walked, part])
+            if where in MOVED_KEYS:
+                return f"no key '{where}'; it is now {MOVED_KEYS[where]}"
             hint = f"; did you mean '{'.'.join([*walked, near[0]])}'?" if near else ""
             return f"no key '{where}'{hint}"
         walked.append(part)

@@ -192,7 +192,8 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
         (cfg.parallel_block, "parallel_block=True: GPT-2's attention and FFN are sequential"),
         (cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model or cfg.logits_bias
          or cfg.ffn_layers > 1, "n_kv_head, head_dim, logits_bias, ffn_layers: GPT-2 has only the defaults"),
-        (cfg.attention == "linear", "attention='linear': GPT-2's attention is softmax"),
+        (cfg.attention != "softmax", f"attention={cfg.attention!r}: GPT-2's attention is softmax over every "
+                                     "earlier position ('softmax')"),
         (cfg.activation not in ACTIVATIONS_TO_HF, f"activation={cfg.activation!r}: GPT-2's FFN uses one of "
                                                  f"{', '.join(ACTIVATIONS_TO_HF)}"),
     ]

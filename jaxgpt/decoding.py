@@ -43,11 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.caches import NO_LIMIT, KVCache, LinearCache, init_cache
+from jaxgpt.attention import FORMS, init_cache
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
+from jaxgpt.positions import SCHEMES
 
 # --- the model's next-token logits: from the cache, or by recomputing the cropped context ----
+# `model` is a GPT(cfg, compute): what it computes and how it runs here.
 
 
 def _last_tokens(tokens, lengths):
@@ -55,62 +57,56 @@ def _last_tokens(tokens, lengths):
     return jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)
 
 
-def _recomputed_logits(params, cfg: GPTConfig, tokens, lengths, width: int, cache_length: int):
+def _recomputed_logits(params, model: GPT, tokens, lengths, width: int, cache_length: int):
     """Next-token logits (B, V) by one pass over each row's last `width` tokens (its whole
     sequence, left-aligned, when shorter: the causal mask hides what follows it), and a
-    fresh cache holding those tokens (valid to go on from for the rows that fit in it; the
-    others were cropped). Serves as the prefill and as the step past the context."""
+    fresh cache holding those tokens but each row's last (valid to go on from for the rows
+    that fit in it; the others were cropped). Serves as the prefill and as the step past the
+    context."""
     starts = jnp.maximum(lengths - width, 0)
     windows = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (width,)))(tokens, starts)
-    logits, cache = GPT(cfg).apply({"params": params}, windows, init_cache(cfg, tokens.shape[0], cache_length))
-    return jnp.take_along_axis(logits, (lengths - starts - 1)[:, None, None], axis=1)[:, 0], cache
+    last = lengths - starts - 1  # each row's newest token in its window: the first step feeds it again
+    cache = init_cache(model.cfg, tokens.shape[0], cache_length, model.compute.compute_dtype).with_limit(last)
+    logits, cache = model.apply({"params": params}, windows, cache)
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache.with_limit(None)
 
 
-def _cached_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths):
+def _cached_logits(params, model: GPT, cache, tokens, lengths):
     """Next-token logits (B, V) by feeding each row's newest token at its position: the cache
     holds the ones before it (and perhaps it too: writing it again changes nothing). Rows
     that stopped growing are clamped inside the cache (their output is not used)."""
-    last = lengths - 1 if isinstance(cache, LinearCache) else jnp.minimum(lengths - 1, cache.max_length - 1)
-    cache = cache.replace(index=last)
-    logits, cache = GPT(cfg).apply({"params": params}, _last_tokens(tokens, lengths), cache)
+    logits, cache = model.apply({"params": params}, _last_tokens(tokens, lengths), cache.resume_at(lengths - 1))
     return logits[:, 0], cache
 
 
-def start_cache(params, cfg: GPTConfig, tokens, lengths, prompt_width: int) -> KVCache:
+def start_cache(params, model: GPT, tokens, lengths, prompt_width: int):
     """The cache to start decoding from, for a (B, W) buffer of sequences `tokens` whose
     prompts (`lengths` long) lie in the first prompt_width columns. When every sequence fits
-    in the context (W ≤ block_size) the prompts are prefilled now; otherwise it starts empty
-    and the first `next_logits`, a pass over the context windows, fills it (one compiled
-    pass fewer; that first step costs one window pass, as does every step past the context)."""
-    width = tokens.shape[1]
-    if cfg.attention == "linear":
-        return _linear_prefill(params, cfg, tokens, lengths, prompt_width)
-    if width > cfg.block_size:
-        return init_cache(cfg, tokens.shape[0], cfg.block_size)
-    return _recomputed_logits(params, cfg, tokens, lengths, prompt_width, width)[1]
+    in the context (W ≤ block_size), or the form's cache carries any length (linear), the
+    prompts are prefilled now, all but each row's last token (the first step feeds it);
+    otherwise it starts empty and the first `next_logits`, a pass over the context windows,
+    fills it (one compiled pass fewer; that first step costs one window pass, as does every
+    step past the context)."""
+    cfg, width = model.cfg, tokens.shape[1]
+    if width > cfg.block_size and not FORMS[cfg.attention].grows_past_context:
+        return init_cache(cfg, tokens.shape[0], cfg.block_size, model.compute.compute_dtype)
+    return _recomputed_logits(params, model, tokens, lengths, prompt_width, min(width, cfg.block_size))[1]
 
 
-def _linear_prefill(params, cfg: GPTConfig, tokens, lengths, prompt_width: int) -> LinearCache:
-    """attention='linear': the state after each row's prompt tokens but its last (the first
-    step feeds that one), from one parallel pass over the padded prompts."""
-    cache = init_cache(cfg, tokens.shape[0]).replace(limit=lengths - 1)
-    _, cache = GPT(cfg).apply({"params": params}, tokens[:, :prompt_width], cache)
-    return cache.replace(limit=jnp.full_like(lengths, NO_LIMIT))
-
-
-def next_logits(params, cfg: GPTConfig, cache: KVCache, tokens, lengths, active, step):
+def next_logits(params, model: GPT, cache, tokens, lengths, active, step):
     """Every row's next-token logits (B, V) and the cache, after `step` tokens were added to
     the buffer from `start_cache`: from the cache (one position per row) when every active
     row fits in the context and the cache is filled, else by one pass over each row's
     cropped context, which refills the cache."""
-    from_cache = lambda: _cached_logits(params, cfg, cache, tokens, lengths)  # noqa: E731
-    # linear attention's state goes on at any length; otherwise every sequence fits, and
-    # start_cache prefilled the prompts
-    if cfg.attention == "linear" or tokens.shape[1] <= cfg.block_size:
+    cfg = model.cfg
+    from_cache = lambda: _cached_logits(params, model, cache, tokens, lengths)  # noqa: E731
+    # a form whose cache carries any length goes on from it; otherwise every sequence fits,
+    # and start_cache prefilled the prompts
+    if FORMS[cfg.attention].grows_past_context or tokens.shape[1] <= cfg.block_size:
         return from_cache()
     fits = (step > 0) & jnp.all(~active | (lengths <= cfg.block_size))
     window = cfg.block_size
-    return jax.lax.cond(fits, from_cache, lambda: _recomputed_logits(params, cfg, tokens, lengths, window, window))
+    return jax.lax.cond(fits, from_cache, lambda: _recomputed_logits(params, model, tokens, lengths, window, window))
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -170,13 +166,14 @@ def _array_batch(config: GPTConfig, prompts, prompt_lengths):
 
 
 def check_reach(config: GPTConfig, prompts, longest: int | None, max_new_tokens: int) -> None:
-    """ValueError when attention='linear' would go past the context with positions that end
-    there (learned, sinusoidal): the recurrent state could, the position table cannot."""
-    if config.attention != "linear" or config.positions in ("rope", "none"):
+    """ValueError when a form whose cache carries any length (linear) would go past the
+    context with positions that end there (learned, sinusoidal): the state could, the
+    position table cannot. (The other forms crop the context.)"""
+    if not FORMS[config.attention].grows_past_context or not SCHEMES[config.positions].ends_at_block_size:
         return
     reach = (prompts.shape[1] if longest is None else longest) + max_new_tokens
     if reach > config.block_size:
-        raise ValueError(f"attention='linear' with positions={config.positions!r} has positions only up to "
+        raise ValueError(f"attention={config.attention!r} with positions={config.positions!r} has positions only up to "
                          f"block_size={config.block_size}, but this generation reaches {reach} tokens: shorten "
                          f"the prompt or max_new_tokens, or train with positions='rope' or 'none'")
 

@@ -18,14 +18,15 @@ import numpy as np
 
 from jaxgpt import data
 from jaxgpt.config import GPTConfig
+from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
-from jaxgpt.training import make_eval_step
+from jaxgpt.training import as_model, make_eval_step
 
 _EVAL_STEPS: dict = {}
 _CHUNK = 1 << 22  # tokens per pass over a (memory-mapped) split
 
 
-def evaluate_tokens(model_cfg: GPTConfig, params, tokens, bytes_per_token: float, *, batch_size: int,
+def evaluate_tokens(model: GPT | GPTConfig, params, tokens, bytes_per_token: float, *, batch_size: int,
                     stride: int | None = None, max_batches: int | None = None, batch_sharding=None,
                     on_batch: Callable[[int, int], None] | None = None, ignore_id: int | None = None) -> dict:
     """Loss, perplexity and bits per byte of the model on a token array, over the sequential
@@ -33,17 +34,17 @@ def evaluate_tokens(model_cfg: GPTConfig, params, tokens, bytes_per_token: float
     target more context). `max_batches` keeps only the first ones; `on_batch(done, total)`
     is called after each batch. With `ignore_id`, targets equal to it are left out of the
     loss (the inputs stay as they are) and "val_ignored" says how many were."""
-    T = model_cfg.block_size
+    T = as_model(model).cfg.block_size
     count = data.num_eval_batches(len(tokens), batch_size=batch_size, block_size=T, stride=stride)
 
     def make_batch(index: int, rows: slice):
         return data.eval_batch(tokens, index, batch_size=batch_size, block_size=T, stride=stride, rows=rows)
 
-    return _evaluate(model_cfg, params, make_batch, min(count, max_batches or count), batch_size, bytes_per_token,
+    return _evaluate(model, params, make_batch, min(count, max_batches or count), batch_size, bytes_per_token,
                      batch_sharding, on_batch, ignore_id)
 
 
-def evaluate_examples(model_cfg: GPTConfig, params, examples: data.Examples, layout: data.Layout,
+def evaluate_examples(model: GPT | GPTConfig, params, examples: data.Examples, layout: data.Layout,
                       bytes_per_token: float, *, batch_size: int, max_batches: int | None = None,
                       batch_sharding=None, on_batch: Callable[[int, int], None] | None = None,
                       ignore_id: int | None = None) -> dict:
@@ -55,15 +56,16 @@ def evaluate_examples(model_cfg: GPTConfig, params, examples: data.Examples, lay
     def make_batch(index: int, rows: slice):
         return data.eval_rows(examples, layout, index, batch_size=batch_size, rows=rows)
 
-    return _evaluate(model_cfg, params, make_batch, min(count, max_batches or count), batch_size, bytes_per_token,
+    return _evaluate(model, params, make_batch, min(count, max_batches or count), batch_size, bytes_per_token,
                      batch_sharding, on_batch, ignore_id)
 
 
-def _evaluate(model_cfg, params, make_batch, count_batches, batch_size, bytes_per_token, batch_sharding, on_batch,
+def _evaluate(model, params, make_batch, count_batches, batch_size, bytes_per_token, batch_sharding, on_batch,
               ignore_id) -> dict:
-    if model_cfg not in _EVAL_STEPS:  # one compiled step per model, however often it is evaluated
-        _EVAL_STEPS[model_cfg] = _ignoring_step(model_cfg)
-    eval_step = _EVAL_STEPS[model_cfg]
+    model = as_model(model)
+    if model not in _EVAL_STEPS:  # one compiled step per model, however often it is evaluated
+        _EVAL_STEPS[model] = _ignoring_step(model)
+    eval_step = _EVAL_STEPS[model]
     if batch_sharding is None:
         batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     sums = np.zeros(3)  # Σ loss, count, ignored
@@ -85,10 +87,10 @@ def _evaluate(model_cfg, params, make_batch, count_batches, batch_size, bytes_pe
     return result if ignore_id is None else {**result, "val_ignored": int(ignored)}
 
 
-def _ignoring_step(model_cfg: GPTConfig):
+def _ignoring_step(model: GPT):
     """The jitted eval step with the targets equal to `ignore_id` taken out of the mask:
     (Σ loss, count, how many were taken out)."""
-    eval_step = make_eval_step(model_cfg)
+    eval_step = make_eval_step(model)
 
     def step(params, inputs, targets, mask, ignore_id, positions=None, segments=None):
         ignored = mask & (targets == ignore_id)

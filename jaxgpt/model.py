@@ -5,35 +5,30 @@
     Z = Y + FFN(LN₂(Y))
     logits = LN_f(Z) W_U    (W_U = Eᵀ when tied)
 
-`GPT(cfg).apply({'params': params}, tokens)` is a pure function of a plain params pytree.
-Generation passes an explicit `KVCache` in and gets the updated one back.
+`GPT(cfg, compute).apply({'params': params}, tokens)` is a pure function of a plain params
+pytree: cfg says what the model computes, compute (default: float32, the explicit kernel) how
+it runs here. Generation passes an explicit cache in and gets the updated one back.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxgpt import ops
-from jaxgpt.caches import KVCache, LinearCache, write_rows
-from jaxgpt.config import GPTConfig
+from jaxgpt.attention import FORMS, KERNELS, Where
+from jaxgpt.config import ComputeConfig, GPTConfig
+from jaxgpt.positions import SCHEMES
 
 INIT_STD = 0.02
-ATTENTION_BLOCK = 64  # query positions per block of attention="blocked"
 
 
 def normal(std):
     return nn.initializers.normal(stddev=std)
-
-
-def residual_std(cfg: GPTConfig) -> float:
-    """GPT-2 scales the projections that write into the residual stream by 1/√(2·n_layer)."""
-    return INIT_STD / math.sqrt(2 * cfg.n_layer)
 
 
 def kernel_std(cfg: GPTConfig, fan_in: int, residual: bool = False) -> float:
@@ -62,22 +57,23 @@ class Linear(nn.Module):
 
     features: tuple
     cfg: GPTConfig
+    compute: ComputeConfig
     n_in: int = 1
     use_bias: bool = True
     residual: bool = False  # writes into the residual stream
 
     @nn.compact
     def __call__(self, x):
-        cfg = self.cfg
+        cfg, dtype, param_dtype = self.cfg, self.compute.compute_dtype, self.compute.params_dtype
         in_shape, out_shape = x.shape[x.ndim - self.n_in:], tuple(self.features)
         std = kernel_std(cfg, math.prod(in_shape), self.residual)
-        kernel = self.param("kernel", normal(std), (*in_shape, *out_shape), cfg.params_dtype)
+        kernel = self.param("kernel", normal(std), (*in_shape, *out_shape), param_dtype)
         batch = x.shape[: x.ndim - self.n_in]
-        x2 = x.reshape(*batch, math.prod(in_shape)).astype(cfg.compute_dtype)
-        w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(cfg.compute_dtype)
+        x2 = x.reshape(*batch, math.prod(in_shape)).astype(dtype)
+        w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(dtype)
         y = ops.linear(x2, w2).reshape(*batch, *out_shape)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, out_shape, cfg.params_dtype).astype(cfg.compute_dtype)
+            y = y + self.param("bias", nn.initializers.zeros, out_shape, param_dtype).astype(dtype)
         return y
 
 
@@ -85,10 +81,11 @@ class LayerNorm(nn.Module):
     """γ ⊙ (x − μ)/√(σ² + ε) + β."""
 
     cfg: GPTConfig
+    compute: ComputeConfig
 
     @nn.compact
     def __call__(self, x):
-        d, dtype = x.shape[-1], self.cfg.params_dtype
+        d, dtype = x.shape[-1], self.compute.params_dtype
         scale = self.param("scale", nn.initializers.ones, (d,), dtype)
         bias = self.param("bias", nn.initializers.zeros, (d,), dtype) if self.cfg.bias else None
         return ops.layer_norm(x, scale, bias, self.cfg.norm_eps)
@@ -98,10 +95,11 @@ class RMSNorm(nn.Module):
     """γ ⊙ x/√(mean(x²) + ε)."""
 
     cfg: GPTConfig
+    compute: ComputeConfig
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.cfg.params_dtype)
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.compute.params_dtype)
         return ops.rms_norm(x, scale, self.cfg.norm_eps)
 
 
@@ -117,116 +115,51 @@ class Dropout(nn.Module):
         return ops.dropout(x, self.rate, self.make_rng("dropout"))
 
 
-def make_norm(cfg: GPTConfig, name: str) -> nn.Module:
-    return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](cfg, name=name)
-
-
-class Where(NamedTuple):
-    """Where the queries and keys of a block sit: positions (B, T) and (B, S), and segments
-    (the example each token belongs to when several are packed in a row; None: one sequence).
-    A query sees a key iff the key's position is not later and, with segments, it is of the
-    same segment: causal within each packed example, never across."""
-
-    q_positions: jax.Array
-    k_positions: jax.Array
-    q_segments: jax.Array | None = None
-    k_segments: jax.Array | None = None
-
-    def mask(self):
-        """(B, 1, T, S): ops.position_mask, and ops.segment_mask with segments."""
-        mask = ops.position_mask(self.q_positions, self.k_positions)
-        if self.q_segments is not None:
-            mask = mask & ops.segment_mask(self.q_segments, self.k_segments)
-        return mask[:, None]
-
-    def queries(self, start: int, end: int, keys_end: int) -> Where:
-        """Queries start…end−1 against keys 0…keys_end−1."""
-        segments = (None, None) if self.q_segments is None else (
-            self.q_segments[:, start:end], self.k_segments[:, :keys_end])
-        return Where(self.q_positions[:, start:end], self.k_positions[:, :keys_end], *segments)
+def make_norm(cfg: GPTConfig, compute: ComputeConfig, name: str) -> nn.Module:
+    return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](cfg, compute, name=name)
 
 
 class CausalSelfAttention(nn.Module):
     """MHA(X) = concat_h(softmax(Q_h K_{g(h)}ᵀ/√d_k + M) V_{g(h)}) W_O, with Q, K, V = X W_Q, X W_K, X W_V.
 
     Q has n_head heads of size D = head_dim, K and V n_kv_head, each shared by n_head/n_kv_head
-    query heads: g(h) = ⌊h·n_kv_head/n_head⌋ (g(h) = h for multi-head attention). Params:
-    with n_kv_head = n_head, c_attn/kernel (d, 3, H, D) (GPT-2's layout); otherwise
-    q_proj/kernel (d, H, D) and kv_proj/kernel (d, 2, H_kv, D). c_proj/kernel (H, D, d) is W_O.
+    query heads: g(h) = ⌊h·n_kv_head/n_head⌋ (g(h) = h for multi-head attention). The form
+    (cfg.attention: softmax, linear, local) and the kernel that computes it (compute.kernel)
+    come from jaxgpt.attention. Params: with n_kv_head = n_head, c_attn/kernel (d, 3, H, D)
+    (GPT-2's layout); otherwise q_proj/kernel (d, H, D) and kv_proj/kernel (d, 2, H_kv, D).
+    c_proj/kernel (H, D, d) is W_O.
     """
 
     cfg: GPTConfig
+    compute: ComputeConfig
 
     def project(self, x):
         """Q (B, T, H, D), K and V (B, T, H_kv, D)."""
-        cfg = self.cfg
+        cfg, compute = self.cfg, self.compute
         if cfg.n_kv_head == cfg.n_head:
-            qkv = Linear((3, cfg.n_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="c_attn")(x)
+            qkv = Linear((3, cfg.n_head, cfg.head_dim), cfg, compute, use_bias=cfg.bias, name="c_attn")(x)
             return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
-        q = Linear((cfg.n_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="q_proj")(x)
-        kv = Linear((2, cfg.n_kv_head, cfg.head_dim), cfg, use_bias=cfg.bias, name="kv_proj")(x)
+        q = Linear((cfg.n_head, cfg.head_dim), cfg, compute, use_bias=cfg.bias, name="q_proj")(x)
+        kv = Linear((2, cfg.n_kv_head, cfg.head_dim), cfg, compute, use_bias=cfg.bias, name="kv_proj")(x)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
 
     @nn.compact
     def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True):
         cfg = self.cfg
+        scheme = SCHEMES[cfg.positions]
         q, k, v = self.project(x)
-        if cfg.positions == "rope":
-            q, k = ops.rope(q, where.q_positions, cfg.rope_base), ops.rope(k, where.q_positions, cfg.rope_base)
-        if cfg.attention == "linear":
-            context, layer_cache = linear_context(cfg, q, k, v, where, layer_cache)
-            out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")(context)
-            return out, layer_cache
-        if layer_cache is not None:  # the new keys join those of the earlier positions
-            cache_keys, cache_values, index = layer_cache
-            k, v = write_rows(cache_keys, k, index), write_rows(cache_values, v, index)
-            layer_cache = (k, v)
+        q, k = scheme.rotate(cfg, q, k, where.q_positions)
 
-        def alibi(where: Where):
-            return ops.alibi_bias_at(cfg.n_head, where.q_positions, where.k_positions) \
-                if cfg.positions == "alibi" else None
-
-        def explicit(q, k, v, where: Where, whole=True):
-            k, v = ops.share_kv_heads(k, cfg.n_head), ops.share_kv_heads(v, cfg.n_head)
-            weights = ops.attention_weights(q, k, where.mask(), alibi(where))
+        def on_weights(weights, whole: bool):
             if whole:  # the (T, S) map of all the queries, for pictures
                 self.sow("intermediates", "attention_weights", weights)
-            return ops.attend(Dropout(cfg.dropout)(weights, deterministic), v)
+            return Dropout(cfg.dropout)(weights, deterministic)
 
-        T = q.shape[1]
-        if cfg.attention == "blocked" and layer_cache is None and T > ATTENTION_BLOCK:
-            # positions 0…T−1: the queries of block i see only the keys up to the end of block i
-            # (the rest are masked), so each block's QKᵀ and AV skip those keys.
-            context = jnp.concatenate([
-                explicit(q[:, start:end], k[:, :end], v[:, :end], where.queries(start, end, end), False)
-                for start in range(0, T, ATTENTION_BLOCK) for end in [min(start + ATTENTION_BLOCK, T)]
-            ], axis=1)
-        elif cfg.attention in ("explicit", "blocked"):
-            context = explicit(q, k, v, where)
-        else:
-            bias = alibi(where)
-            context = jax.nn.dot_product_attention(
-                q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=where.mask(),
-                implementation=cfg.attention
-            )
-        out = Linear((cfg.d_model,), cfg, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")(context)
-        return out, layer_cache
-
-
-def linear_context(cfg: GPTConfig, q, k, v, where: Where, layer_cache=None):
-    """attention='linear': ops.linear_attention of φ(Q), φ(K), V (φ = cfg.linear_feature). With
-    a layer cache (S, z, absorb) the tokens also read the state of the earlier ones, and the
-    ones marked absorb join it: one token at a time, this is the recurrent form
-    S_t = S_{t−1} + φ(k_t) v_tᵀ, z_t = z_{t−1} + φ(k_t), out_t = φ(q_t)ᵀS_t / (φ(q_t)ᵀz_t + ε).
-    Returns the context (B, T, H, D) and the new (S, z) or None."""
-    phi = ops.FEATURE_MAPS[cfg.linear_feature]
-    fq, fk = phi(q), phi(k)
-    if layer_cache is None:
-        return ops.linear_attention(fq, fk, v, where.mask()), None
-    S, z, absorb = layer_cache
-    mask = where.mask() & absorb[:, None, None, :]
-    context = ops.linear_attention(fq, fk, v, mask, (S, z))
-    return context, ops.linear_attention_state(fk, v, absorb, (S, z))
+        context, layer_cache = FORMS[cfg.attention].attend(
+            cfg, KERNELS[self.compute.kernel], q, k, v, where, layer_cache,
+            lambda w: scheme.bias(cfg, w), on_weights)
+        out = Linear((cfg.d_model,), cfg, self.compute, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")
+        return out(context), layer_cache
 
 
 class MLP(nn.Module):
@@ -237,16 +170,17 @@ class MLP(nn.Module):
     applies to each H_i. Gated activations are refused for n > 1 (GPTConfig)."""
 
     cfg: GPTConfig
+    compute: ComputeConfig
 
     @nn.compact
     def __call__(self, x, deterministic=True):
-        cfg = self.cfg
+        cfg, compute = self.cfg, self.compute
         act, drop = ops.ACTIVATIONS[cfg.activation], Dropout(cfg.ffn_dropout)
         width = cfg.d_ff * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
-        h = drop(act(Linear((width,), cfg, use_bias=cfg.bias, name="c_fc")(x)), deterministic)
+        h = drop(act(Linear((width,), cfg, compute, use_bias=cfg.bias, name="c_fc")(x)), deterministic)
         for i in range(2, cfg.ffn_layers + 1):
-            h = drop(act(Linear((cfg.d_ff,), cfg, use_bias=cfg.bias, name=f"c_fc_{i}")(h)), deterministic)
-        return Linear((cfg.d_model,), cfg, use_bias=cfg.bias, residual=True, name="c_proj")(h)
+            h = drop(act(Linear((cfg.d_ff,), cfg, compute, use_bias=cfg.bias, name=f"c_fc_{i}")(h)), deterministic)
+        return Linear((cfg.d_model,), cfg, compute, use_bias=cfg.bias, residual=True, name="c_proj")(h)
 
 
 class Block(nn.Module):
@@ -255,11 +189,13 @@ class Block(nn.Module):
     Parallel:  Z = X + MHA(LN₁(X)) + FFN(LN₁(X))"""
 
     cfg: GPTConfig
+    compute: ComputeConfig
 
     @nn.compact
     def __call__(self, x, where: Where, layer_cache=None, deterministic=True):
-        cfg = self.cfg
-        ln_1, attn, mlp = make_norm(cfg, "ln_1"), CausalSelfAttention(cfg, name="attn"), MLP(cfg, name="mlp")
+        cfg, compute = self.cfg, self.compute
+        ln_1 = make_norm(cfg, compute, "ln_1")
+        attn, mlp = CausalSelfAttention(cfg, compute, name="attn"), MLP(cfg, compute, name="mlp")
         drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
         mha = lambda h: attn(h, where, layer_cache, deterministic=deterministic)  # noqa: E731
         ffn = lambda h: mlp(h, deterministic)  # noqa: E731
@@ -268,7 +204,7 @@ class Block(nn.Module):
             h = ln_1(x)
             a, layer_cache = mha(h)
             return x + drop(a) + drop(ffn(h)), layer_cache
-        ln_2 = make_norm(cfg, "ln_2")
+        ln_2 = make_norm(cfg, compute, "ln_2")
         if cfg.norm_position == "pre":
             a, layer_cache = mha(ln_1(x))
             y = x + drop(a)
@@ -279,21 +215,13 @@ class Block(nn.Module):
 
 
 def locate(tokens, cache, positions=None, segments=None):
-    """(positions (B, T), the Where of the blocks, the cache with the new tokens' positions and
-    segments written) for tokens (B, T): positions default to 0…T−1, after a cache cache.index…"""
-    T = tokens.shape[-1]
+    """(positions (B, T), the Where of the blocks, the cache with the new tokens' places
+    written) for tokens (B, T): positions default to 0…T−1, after a cache cache.index…"""
+    if cache is not None:
+        return cache.locate(tokens, positions, segments)
     if positions is None:
-        positions = jnp.arange(T)[None, :] if cache is None else cache.index[:, None] + jnp.arange(T)[None, :]
-    if cache is None:
-        return positions, Where(positions, positions, segments, segments), cache
-    if isinstance(cache, LinearCache):  # the new tokens see each other causally, and the state
-        if segments is not None:
-            raise ValueError("attention='linear' decodes one sequence per row: segments cannot be given with its cache")
-        return positions, Where(positions, positions), cache
-    segments = jnp.zeros(tokens.shape, jnp.int32) if segments is None else segments
-    cache = cache.replace(positions=write_rows(cache.positions, jnp.broadcast_to(positions, tokens.shape), cache.index),
-                          segments=write_rows(cache.segments, segments, cache.index))
-    return positions, Where(positions, cache.positions, segments, cache.segments), cache
+        positions = jnp.arange(tokens.shape[-1])[None, :]
+    return positions, Where(positions, positions, segments, segments), cache
 
 
 class GPT(nn.Module):
@@ -304,67 +232,63 @@ class GPT(nn.Module):
     each token belongs to (their positions restart at 0): attention is causal within an
     example and never crosses into another. None: the row is one sequence.
 
-    With `cache`, the tokens are written into the slots cache.index … cache.index+T−1 of
-    each row with their keys, values, positions and segments, and `(logits, new_cache)` is
-    returned; a LinearCache (attention='linear') absorbs them into its state instead. With
-    cfg.scan_layers the blocks are one nn.scan over params["h"] (see layers_as). Dropout is
-    applied only when deterministic=False and a 'dropout' RNG is given.
+    With `cache` (jaxgpt.attention.init_cache), the tokens join it (the softmax form writes
+    their keys, values, positions and segments into the slots cache.index …; the linear form
+    absorbs them into its state; the local form keeps the last `window`), and `(logits,
+    new_cache)` is returned. With compute.scan_layers the blocks are one nn.scan over
+    params["h"] (see layers_as). Dropout is applied only when deterministic=False and a
+    'dropout' RNG is given.
     """
 
     cfg: GPTConfig
+    compute: ComputeConfig = ComputeConfig()
 
     @nn.compact
-    def __call__(self, tokens, cache: KVCache | LinearCache | None = None, *, positions=None, segments=None,
-                 deterministic: bool = True):
-        cfg = self.cfg
+    def __call__(self, tokens, cache=None, *, positions=None, segments=None, deterministic: bool = True):
+        cfg, compute = self.cfg, self.compute
         deterministic = deterministic or not self.has_rng("dropout")
-        T = tokens.shape[-1]
         positions, where, cache = locate(tokens, cache, positions, segments)
-
-        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=normal(embedding_std(cfg)),
-                       dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wte")
-        x = wte(tokens)
-        if cfg.positions == "learned":
-            wpe = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=normal(embedding_std(cfg)),
-                           dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, name="wpe")
-            x = x + wpe(positions)
-        elif cfg.positions == "sinusoidal":
-            table = ops.sinusoidal_positions(cfg.block_size, cfg.d_model)
-            x = x + table[positions].astype(x.dtype)
+        init, dtypes = normal(embedding_std(cfg)), (compute.compute_dtype, compute.params_dtype)
+        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtypes[0], param_dtype=dtypes[1],
+                       name="wte")
+        x = SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, init, dtypes)
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
+        x, new_layers = self.blocks(x, where, cache, positions, deterministic)
 
+        x = make_norm(cfg, compute, "ln_f")(x)
+        if cfg.tie_embeddings:  # W_U = Eᵀ
+            logits = ops.linear(x.astype(dtypes[0]), wte.embedding.T.astype(dtypes[0]))
+        else:
+            logits = Linear((cfg.vocab_size,), cfg, compute, use_bias=False, name="lm_head")(x)
+        if cfg.logits_bias:  # b_U
+            logits = logits + self.param("logits_bias", nn.initializers.zeros, (cfg.vocab_size,), dtypes[1])
+        logits = logits.astype(jnp.float32)
+        if cache is None:
+            return logits
+        return logits, cache.with_layers(new_layers, tokens.shape[-1])
+
+    def blocks(self, x, where: Where, cache, positions, deterministic: bool):
+        """The n_layer blocks, each with its layer of the cache: (x, the layers' new caches)."""
+        cfg, compute = self.cfg, self.compute
         # With remat, a block keeps only its weight-matmul outputs for the backward pass and
         # recomputes attention and the elementwise ops from them.
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                         static_argnums=(4,)) if cfg.remat else Block
-        layer_caches = None if cache is None else [cache.layer(layer, positions) for layer in range(cfg.n_layer)]
-        if cfg.scan_layers:  # one block's program run n_layer times, its params stacked on a leading axis
+                         static_argnums=(4,)) if compute.remat else Block
+        layer_caches = [None if cache is None else cache.layer(layer, positions) for layer in range(cfg.n_layer)]
+        if compute.scan_layers:  # one block's program run n_layer times, its params stacked on a leading axis
             scanned = None if cache is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layer_caches)
             blocks = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                              split_rngs={"params": True, "dropout": True},
                              in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layer)
-            x, scanned = blocks(cfg, name="h")(x, where, scanned, deterministic)
-            new_layers = [None if cache is None else jax.tree.map(lambda a, i=i: a[i], scanned)
-                          for i in range(cfg.n_layer)]
-        else:
-            new_layers = []
-            for layer in range(cfg.n_layer):
-                layer_cache = None if cache is None else layer_caches[layer]
-                x, layer_cache = block(cfg, name=f"h_{layer}")(x, where, layer_cache, deterministic)
-                new_layers.append(layer_cache)
-
-        x = make_norm(cfg, "ln_f")(x)
-        if cfg.tie_embeddings:  # W_U = Eᵀ
-            logits = ops.linear(x.astype(cfg.compute_dtype), wte.embedding.T.astype(cfg.compute_dtype))
-        else:
-            logits = Linear((cfg.vocab_size,), cfg, use_bias=False, name="lm_head")(x)
-        if cfg.logits_bias:  # b_U
-            logits = logits + self.param("logits_bias", nn.initializers.zeros, (cfg.vocab_size,), cfg.params_dtype)
-        logits = logits.astype(jnp.float32)
-        if cache is None:
-            return logits
-        return logits, cache.with_layers(new_layers, T)
+            x, scanned = blocks(cfg, compute, name="h")(x, where, scanned, deterministic)
+            return x, [None if cache is None else jax.tree.map(lambda a, i=i: a[i], scanned)
+                       for i in range(cfg.n_layer)]
+        new_layers = []
+        for layer in range(cfg.n_layer):
+            x, layer_cache = block(cfg, compute, name=f"h_{layer}")(x, where, layer_caches[layer], deterministic)
+            new_layers.append(layer_cache)
+        return x, new_layers
 
 
 # --- the blocks' parameter layouts ------------------------------------------------------------
@@ -406,10 +330,10 @@ def unstack_layers(tree):
     return jax.tree.map(unstack, tree, is_leaf=_stacked)
 
 
-def layers_as(tree, cfg: GPTConfig):
-    """`tree` (params or anything mirroring them) in the layout cfg.scan_layers asks for,
-    whichever layout it is in."""
-    if cfg.scan_layers:
+def layers_as(tree, scan_layers: bool):
+    """`tree` (params or anything mirroring them) in the layout compute.scan_layers asks for
+    (stacked when True), whichever layout it is in."""
+    if scan_layers:
         return stack_layers(tree)
     return unstack_layers(tree)
 
@@ -417,20 +341,15 @@ def layers_as(tree, cfg: GPTConfig):
 # --- sizes ----------------------------------------------------------------------------------
 
 
+def param_shapes(cfg: GPTConfig) -> dict:
+    """The params' shapes and dtypes (jax.eval_shape of the init: nothing is computed)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(lambda t: GPT(cfg).init(jax.random.key(0), t)["params"], tokens)
+
+
 def param_count(cfg: GPTConfig) -> int:
-    """The number of parameters, in closed form from the shapes."""
-    d, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    b = 1 if cfg.bias else 0
-    norm = d * (1 + (b if cfg.norm == "layernorm" else 0))
-    hidden = f * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
-    q, kv = cfg.n_head * cfg.head_dim, 2 * cfg.n_kv_head * cfg.head_dim  # widths of Q and of [K, V]
-    attn = (d + b) * (q + kv) + q * d + b * d
-    mlp = (d + b) * hidden + (cfg.ffn_layers - 1) * (f + b) * f + f * d + b * d
-    norms_per_block = 1 if cfg.parallel_block else 2
-    block = attn + mlp + norms_per_block * norm
-    embeddings = V * d + (cfg.block_size * d if cfg.positions == "learned" else 0)
-    head = 0 if cfg.tie_embeddings else V * d
-    return embeddings + cfg.n_layer * block + norm + head + (V if cfg.logits_bias else 0)
+    """The number of parameters, counted on the initialised shapes."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(param_shapes(cfg)))
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
@@ -442,4 +361,5 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
         n -= cfg.block_size * cfg.d_model
     if not cfg.tie_embeddings:
         n -= cfg.vocab_size * cfg.d_model
-    return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+    span = seq_len if cfg.window is None else min(seq_len, cfg.window)  # the keys a query reads, at most
+    return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * span

@@ -1,11 +1,19 @@
-"""GPTConfig: a GPT's shape and choices (config.model), validated; the values each choice may take."""
+"""What a model is, apart from how it runs (docs/ARCHITECTURE.md, "Two configs"):
+
+    GPTConfig      the model's identity (config.model): the function it computes. It must match
+                   to resume a run, load it, export it or compare it.
+    ComputeConfig  how that function runs here (config.compute): the attention kernel, remat,
+                   the compute and parameter dtypes, scan_layers. It belongs to the machine and
+                   the command, not to the run: a resume or a sampler may choose any of it.
+
+Neither asks which devices exist; the run checks a kernel against its backend when it starts.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,9 +23,13 @@ NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu", "silu", "glu")
 GATED = ("swiglu", "geglu", "glu")
 INITS = ("gpt2", "he", "small")
-ATTENTIONS = ("explicit", "blocked", "xla", "cudnn", "linear")
+# the attention forms (jaxgpt.attention.FORMS) and kernels (jaxgpt.attention.kernels.KERNELS)
+ATTENTIONS = ("softmax", "linear", "local")
+KERNELS = ("explicit", "blocked", "xla", "cudnn")
 LINEAR_FEATURES = ("elu+1", "relu")  # φ of attention="linear"
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# the compute section's keys that older run directories kept in the model section
+COMPUTE_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +53,10 @@ class GPTConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
-    # explicit = ops.attention; blocked = the same in query blocks of 64 that skip the keys the
-    # causal mask hides (training and prefill); xla / cudnn = jax.nn.dot_product_attention;
-    # linear = ops.linear_attention, φ(q)ᵀS/(φ(q)ᵀz) with the feature map linear_feature
-    attention: str = "explicit"
-    remat: bool = False  # recompute attention and elementwise ops in the backward pass: less memory
+    # the attention form (jaxgpt.attention): softmax = softmax(QKᵀ/√D + M)V; linear =
+    # φ(q)ᵀS/(φ(q)ᵀz) with the feature map linear_feature; local = softmax over the last
+    # `window` positions only (a sliding window: its cache holds `window` slots)
+    attention: str = "softmax"
     n_kv_head: int | None = None  # key/value heads, each shared by n_head/n_kv_head query heads; None = n_head
     head_dim: int | None = None  # the size D of each head; None = d_model // n_head
     logits_bias: bool = False  # a learned vector b_U added to the logits
@@ -55,9 +64,7 @@ class GPTConfig:
     ffn_dropout: float = 0.0  # dropout on the FFN's hidden activations
     init: str = "gpt2"  # "gpt2" | "he" | "small": the weights' initial distributions (model.kernel_std)
     linear_feature: str = "elu+1"  # φ of attention="linear": "elu+1" | "relu"
-    # run the blocks as one nn.scan over params stacked on a leading axis (params["h"]): one
-    # block is compiled whatever n_layer is; the same function (model.layers_as converts)
-    scan_layers: bool = False
+    window: int | None = None  # attention="local": a query sees itself and the window−1 positions before it
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -86,12 +93,20 @@ class GPTConfig:
         if self.attention == "linear" and self.positions == "alibi":
             raise ValueError("GPTConfig.attention='linear' with positions='alibi': ALiBi is a bias on softmax "
                              "scores, which linear attention has none of; use positions='rope' or 'none'")
+        if (self.attention == "local") != (self.window is not None):
+            raise ValueError(f"GPTConfig.window={self.window!r} with attention={self.attention!r}: a window is "
+                             "what attention='local' needs and only it reads (e.g. attention='local', window=64)")
+        if self.window is not None and (not is_int(self.window) or self.window <= 0):
+            raise ValueError(f"GPTConfig.window={self.window!r}: must be a positive integer")
         if self.ffn_layers > 1 and self.activation in GATED:
             raise ValueError(f"GPTConfig.ffn_layers={self.ffn_layers} with the gated activation "
                              f"{self.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
 
     def __post_init__(self):
         self._resolve_defaults()
+        if self.attention in KERNELS:
+            raise ValueError(f"GPTConfig.attention={self.attention!r} is a kernel, how softmax attention runs: set "
+                             f"compute.kernel={self.attention!r} (and attention='softmax', the default)")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
                      "ffn_layers"):
             value = getattr(self, name)
@@ -103,17 +118,12 @@ class GPTConfig:
             ("norm_position", NORM_POSITIONS),
             ("activation", ACTIVATIONS),
             ("attention", ATTENTIONS),
-            ("dtype", DTYPES),
-            ("param_dtype", DTYPES),
             ("init", INITS),
             ("linear_feature", LINEAR_FEATURES),
         ):
-            value = getattr(self, name)
-            if value not in valid:
-                raise ValueError(f"GPTConfig.{name}={value!r}: must be one of {', '.join(valid)}")
-        for name in ("parallel_block", "bias", "tie_embeddings", "remat", "logits_bias", "scan_layers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be True or False")
+            _check_choice("GPTConfig", name, getattr(self, name), valid)
+        for name in ("parallel_block", "bias", "tie_embeddings", "logits_bias"):
+            _check_bool("GPTConfig", name, getattr(self, name))
         for name in ("dropout", "ffn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")
@@ -127,19 +137,6 @@ class GPTConfig:
                 "GPTConfig.parallel_block=True with norm_position='post': the parallel block is "
                 "pre-norm (X + MHA(LN(X)) + FFN(LN(X))); set norm_position='pre'"
             )
-        if self.attention == "cudnn" and not _has_gpu():
-            raise ValueError(
-                f"GPTConfig.attention='cudnn' needs a CUDA GPU, but JAX sees only "
-                f"{jax.default_backend()} devices: use attention='xla' or 'explicit'"
-            )
-
-    @property
-    def compute_dtype(self):
-        return jnp.dtype(self.dtype)
-
-    @property
-    def params_dtype(self):
-        return jnp.dtype(self.param_dtype)
 
     def replace(self, **changes) -> GPTConfig:
         """A copy with some fields changed (validated again). d_ff, head_dim and n_kv_head that
@@ -156,7 +153,10 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> GPTConfig:
-        """Build from a plain dict (e.g. a saved run's config); unknown keys are an error."""
+        """Build from a plain dict (e.g. a saved run's config); unknown keys are an error. A
+        model section written before the compute settings had their own section is read as
+        its identity: its kernel, dtypes, remat and scan_layers are left out (split_model)."""
+        values = split_model(values)[0]
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -165,11 +165,80 @@ class GPTConfig:
         return cls(**values)
 
 
-def _has_gpu() -> bool:
-    try:
-        return any(device.platform == "gpu" for device in jax.devices())
-    except RuntimeError:
-        return False
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+    """How a model runs here (config.compute): none of it changes the function it computes,
+    so a run may resume, and a run directory may be sampled, with any of it.
+
+    kernel: the softmax attention kernel (jaxgpt.attention.kernels): explicit = ops.attention;
+      blocked = the same in query blocks that skip the keys the causal mask hides; xla /
+      cudnn = jax.nn.dot_product_attention (cudnn needs a CUDA GPU).
+    remat: recompute attention and the elementwise ops in the backward pass (less memory).
+    dtype: the dtype the matmuls compute in. param_dtype: the dtype the parameters are kept
+      in (training: also the optimizer's; sampling: the weights are cast to it once).
+    scan_layers: the blocks as one nn.scan over params stacked on a leading axis (one block
+      compiled whatever n_layer is); model.layers_as converts params between the layouts.
+    """
+
+    kernel: str = "explicit"
+    remat: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = False
+
+    def __post_init__(self):
+        _check_choice("ComputeConfig", "kernel", self.kernel, KERNELS)
+        for name in ("dtype", "param_dtype"):
+            _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
+        for name in ("remat", "scan_layers"):
+            _check_bool("ComputeConfig", name, getattr(self, name))
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> ComputeConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ComputeConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"ComputeConfig has no field(s) {', '.join(unknown)}; valid fields: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def split_model(values: dict) -> tuple[dict, dict]:
+    """(identity, compute) of a model section. Run directories written before the split kept
+    the compute settings in it, and the kernel in `attention` (explicit, blocked, xla, cudnn:
+    all the softmax form); those go to the compute side."""
+    identity, compute = dict(values), {}
+    for key in COMPUTE_KEYS:
+        if key in identity:
+            compute[key] = identity.pop(key)
+    if identity.get("attention") in KERNELS:
+        compute["kernel"] = identity["attention"]
+        identity["attention"] = "softmax"
+    return identity, compute
+
+
+def _check_choice(owner: str, name: str, value: Any, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{owner}.{name}={value!r}: must be one of {', '.join(valid)}")
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name}={value!r}: must be True or False")
 
 
 def is_int(value: Any) -> bool:

@@ -15,7 +15,6 @@ It alone is enough to resume (train.py with the same --config.run_dir) or to sam
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -29,14 +28,14 @@ import jax
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
-from jaxgpt import data, metrics, rundir, sharding, tokenizers
+from jaxgpt import data, metrics, rundir, sharding
 from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
-from jaxgpt.config import RESUME, GPTConfig, TrainConfig
+from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.files import write_json
 from jaxgpt.lock import LockHeld, RunLock
-from jaxgpt.model import flops_per_token, param_count
+from jaxgpt.model import GPT, flops_per_token, layers_as, param_count
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
 from jaxgpt.training import TrainState, abstract_state, initialise_into, make_train_step, seeded
@@ -53,7 +52,8 @@ class Run:
 
     config: ConfigDict  # as resolved: the model section holds the model's config
     train: TrainConfig
-    model: GPTConfig
+    model: GPTConfig  # what the model computes
+    compute: ComputeConfig  # how it runs here
     directory: Path
     corpus: data.Corpus
     checkpoints: Checkpoints
@@ -61,6 +61,12 @@ class Run:
     mesh: Mesh
     lock: RunLock
     layouts: dict[str, data.Layout] | None = None  # a records corpus's rows of examples, per split
+    saved_compute: ComputeConfig | None = None  # how the checkpoints were written, when resuming
+
+    @property
+    def gpt(self) -> GPT:
+        """The model as it runs here."""
+        return GPT(self.model, self.compute)
 
     @property
     def lead(self) -> bool:
@@ -78,18 +84,14 @@ def model_config(config, vocab_size: int) -> GPTConfig:
     return GPTConfig.from_dict(values)
 
 
-def resume_policy(resume: str, checkpoints: Checkpoints) -> bool:
-    """Whether to resume: resume='auto' when the directory holds a checkpoint; 'must' and
-    'never' insist on one or on none."""
-    if resume not in RESUME:
-        raise ConfigError(f"resume={resume!r}: must be {', '.join(RESUME)}")
-    steps = checkpoints.steps()
-    if resume == "must" and not steps:
-        raise TrainingError(f"resume='must' but {checkpoints.directory.parent} has no checkpoint to resume from")
-    if resume == "never" and steps:
-        raise TrainingError(f"resume='never' but {checkpoints.directory.parent} already holds checkpoints (steps "
-                            f"{steps}): choose another --config.run_dir or remove that directory")
-    return bool(steps)
+def compute_config(config) -> ComputeConfig:
+    """How the model runs here: the config's compute section, its kernel checked against
+    the devices (a CPU or TPU has no cuDNN)."""
+    compute = ComputeConfig.from_dict(dict(config.compute))
+    if compute.kernel == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"compute.kernel='cudnn' needs a CUDA GPU, but JAX sees only {jax.default_backend()} "
+                          "devices: use --config.compute.kernel=xla or explicit (the model computes the same)")
+    return compute
 
 
 def open_run(config) -> Run:
@@ -135,7 +137,7 @@ def _acquire(lock: RunLock) -> str | None:
 
 def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock) -> Run:
     checkpoints = Checkpoints(directory, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpoints)
-    resuming = resume_policy(config.resume, checkpoints)
+    resuming = rundir.resume_policy(config.resume, checkpoints)
     tokenizer = None
     if config.init_from:  # the checkpoint fixes the architecture and the tokenizer
         config, tokenizer = rundir.resolve_init_from(config)
@@ -143,11 +145,11 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock)
     if len(corpus.val) < 2:
         raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
                          "or give data.val_source")
-    cfg = model_config(config, corpus.tokenizer.vocab_size)
-    _check_memory(cfg, train_cfg)
-    if resuming:
-        _check_same_run(directory, cfg, corpus.tokenizer)
-    resolved = {**config.to_dict(), "model": cfg.to_dict(), "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
+    cfg, compute = model_config(config, corpus.tokenizer.vocab_size), compute_config(config)
+    _check_memory(cfg, compute, train_cfg)
+    saved_compute = rundir.check_same_run(directory, cfg, compute, corpus.tokenizer) if resuming else None
+    resolved = {**config.to_dict(), "model": cfg.to_dict(), "compute": compute.to_dict(),
+                "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
     if jax.process_index() == 0:
         write_json(directory / CONFIG_FILE, resolved)
         if not (directory / TOKENIZER_FILE).exists():  # pinned from the first step on: never rewritten
@@ -156,12 +158,14 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock)
     _check_batch_sizes(train_cfg, mesh)
     layouts = None
     if corpus.records:  # every example must fit (or be cut to) a row before the first step
-        layouts = {split: data.plan(corpus.examples[split], cfg.block_size, config.data.packing, config.data.truncate)
+        records = config.data.records
+        layouts = {split: data.plan(corpus.examples[split], cfg.block_size, records.packing, records.truncate)
                    for split in ("train", "val")}
-    return Run(ConfigDict(resolved), train_cfg, cfg, directory, corpus, checkpoints, resuming, mesh, lock, layouts)
+    return Run(ConfigDict(resolved), train_cfg, cfg, compute, directory, corpus, checkpoints, resuming, mesh, lock,
+               layouts, saved_compute)
 
 
-def _check_memory(cfg: GPTConfig, train_cfg: TrainConfig) -> None:
+def _check_memory(cfg: GPTConfig, compute: ComputeConfig, train_cfg: TrainConfig) -> None:
     """Refuse, before anything is allocated, a run that cannot fit: the parameters, their
     gradients and the two AdamW moments (float32), plus one micro-batch's activations (per
     layer ≈ (34·d + 5·H·T) half-precision values per token, the large-model estimate of
@@ -169,8 +173,8 @@ def _check_memory(cfg: GPTConfig, train_cfg: TrainConfig) -> None:
     token), against the devices' memory together, or on a CPU 90% of the RAM
     (train.memory_limit_gib overrides either). An estimate, to stop the impossible early."""
     count = param_count(cfg)
-    state = count * (2 * cfg.params_dtype.itemsize + 2 * 4)
-    per_token = (cfg.n_layer * (34 * cfg.d_model + 5 * cfg.n_head * cfg.block_size) * cfg.compute_dtype.itemsize / 2
+    state = count * (2 * compute.params_dtype.itemsize + 2 * 4)
+    per_token = (cfg.n_layer * (34 * cfg.d_model + 5 * cfg.n_head * cfg.block_size) * compute.compute_dtype.itemsize / 2
                  + 3 * cfg.vocab_size * 4)
     need = state + train_cfg.batch_size * cfg.block_size * per_token
     limit, where = _memory_limit(train_cfg)
@@ -192,36 +196,6 @@ def _memory_limit(train_cfg: TrainConfig) -> tuple[float | None, str]:
     return (sum(limits), "the devices' memory") if all(limits) else (None, "")
 
 
-def _check_same_run(directory: Path, cfg: GPTConfig, tokenizer: tokenizers.Tokenizer) -> None:
-    """A resume continues the run in the directory: the same model, and the same tokenizer
-    (its checkpoints mean nothing under another mapping of ids to text)."""
-    saved_path = directory / CONFIG_FILE
-    if saved_path.exists():
-        saved_model = json.loads(saved_path.read_text()).get("model")
-        saved = _saved_model(saved_model)
-        if saved is not None and saved == cfg.replace(scan_layers=saved.scan_layers) != cfg:
-            layout = "stacked" if saved.scan_layers else "per layer"
-            raise TrainingError(f"{directory}'s checkpoints hold the blocks {layout} (model.scan_layers="
-                                f"{saved.scan_layers}): resume with --config.model.scan_layers={saved.scan_layers} "
-                                "(jaxgpt.model.layers_as converts params between the layouts)")
-        if saved != cfg:  # fields added since the run began take their defaults
-            raise TrainingError(f"{directory} holds a run of another model ({saved_model}); resume it with its own "
-                                "config or choose another --config.run_dir")
-    pinned_path = directory / TOKENIZER_FILE
-    if pinned_path.exists() and tokenizers.load(pinned_path) != tokenizer:
-        raise TrainingError(f"the data now makes another tokenizer than {pinned_path}, which this run's checkpoints "
-                            f"were trained with: resume with the run's own data, or set --config.data.tokenizer="
-                            f"{pinned_path} to read new data with the run's tokenizer, or choose another "
-                            "--config.run_dir")
-
-
-def _saved_model(values) -> GPTConfig | None:
-    try:
-        return GPTConfig.from_dict(values)
-    except (TypeError, ValueError):
-        return None
-
-
 def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
     divisor = sharding.batch_size_divisor(mesh)
     for name in ("batch_size", "eval_batch_size"):
@@ -239,15 +213,30 @@ def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None
     checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from).
     `key` is a PRNG key or an integer seed; `abstract` the state's abstract_state, when the
     caller has it already."""
-    abstract = abstract_state(run.model, optimizer, run.mesh) if abstract is None else abstract
+    abstract = abstract_state(run.gpt, optimizer, run.mesh) if abstract is None else abstract
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     if run.resuming:  # restored onto the shapes and shardings alone: nothing is initialised first
-        restored, step = run.checkpoints.restore(abstract.to_dict())
-        return TrainState.from_dict(restored), shardings, step
-    state = initialise_into(run.model, optimizer, key, shardings)
+        state, step = _restore(run, optimizer, abstract)
+        return state, shardings, step
+    state = initialise_into(run.gpt, optimizer, key, shardings)
     if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
-        state = state.replace(params=rundir.init_params_from(run.config.init_from, run.model, shardings.params))
+        state = state.replace(params=rundir.init_params_from(run.config.init_from, run.model, run.compute,
+                                                             shardings.params))
     return state, shardings, 0
+
+
+def _restore(run: Run, optimizer, abstract: TrainState) -> tuple[TrainState, int]:
+    """The newest intact checkpoint, onto `abstract`'s shapes, dtypes and shardings. One
+    written with the blocks in the other layout (compute.scan_layers) is restored in its
+    own, then converted (model.layers_as) and placed."""
+    saved = run.saved_compute
+    if saved is None or saved.scan_layers == run.compute.scan_layers:
+        restored, step = run.checkpoints.restore(abstract.to_dict())
+        return TrainState.from_dict(restored), step
+    written = GPT(run.model, run.compute.replace(scan_layers=saved.scan_layers))
+    restored, step = run.checkpoints.restore(abstract_state(written, optimizer, run.mesh).to_dict())
+    shardings = jax.tree.map(lambda a: a.sharding, abstract.to_dict())
+    return TrainState.from_dict(jax.device_put(layers_as(restored, run.compute.scan_layers), shardings)), step
 
 
 def lower_train_step(run: Run, optimizer, abstract: TrainState):
@@ -260,7 +249,7 @@ def lower_train_step(run: Run, optimizer, abstract: TrainState):
     batch = tuple(jax.ShapeDtypeStruct((rows, *a.shape[1:]), jax.dtypes.canonicalize_dtype(a.dtype), sharding=batches)
                   for a in one_row)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    step = make_train_step(run.model, optimizer, learning_rate_schedule(run.train), run.train.grad_accum)
+    step = make_train_step(run.gpt, optimizer, learning_rate_schedule(run.train), run.train.grad_accum)
     jitted = jax.jit(seeded(step), in_shardings=(shardings, (batches,) * len(batch), None),
                      out_shardings=(shardings, None), donate_argnums=0)
     return jitted.lower(abstract, batch, run.train.seed)
@@ -273,7 +262,7 @@ def _batch_maker(run: Run):
     def make_batch(step: int, part: slice):
         if run.corpus.records:
             return data.packed_batch(run.corpus.examples["train"], run.layouts["train"], seed=run.train.seed,
-                                     step=step, batch_size=rows, rows=part, loss_on=run.config.data.loss_on)
+                                     step=step, batch_size=rows, rows=part, loss_on=run.config.data.records.loss_on)
         return data.train_batch(run.corpus.train, seed=run.train.seed, step=step, batch_size=rows,
                                 block_size=run.model.block_size, rows=part)
 
@@ -291,11 +280,11 @@ def evaluate(run: Run, params) -> dict:
     """Validation loss, perplexity and bits per byte (train.eval_max_batches batches at most);
     of a records corpus, over the completions."""
     if run.corpus.records:
-        return evaluate_examples(run.model, params, run.corpus.examples["val"], run.layouts["val"],
+        return evaluate_examples(run.gpt, params, run.corpus.examples["val"], run.layouts["val"],
                                  run.corpus.bytes_per_token["val"], batch_size=run.train.eval_batch_size,
                                  max_batches=run.train.eval_max_batches,
                                  batch_sharding=sharding.batch_sharding(run.mesh))
-    return evaluate_tokens(run.model, params, run.corpus.val, run.corpus.bytes_per_token["val"],
+    return evaluate_tokens(run.gpt, params, run.corpus.val, run.corpus.bytes_per_token["val"],
                            batch_size=run.train.eval_batch_size, stride=run.config.data.eval_stride,
                            max_batches=run.train.eval_max_batches, batch_sharding=sharding.batch_sharding(run.mesh))
 
@@ -348,7 +337,7 @@ def _state_and_step(run: Run, optimizer) -> tuple[TrainState, int, Any]:
     """(the state, the step to start at, the compiled train step, or None when no step is
     left). XLA compiles the step in a thread while the state is made or restored: a first
     run waits for the longer of the two, not their sum."""
-    abstract = abstract_state(run.model, optimizer, run.mesh)
+    abstract = abstract_state(run.gpt, optimizer, run.mesh)
     lowered = lower_train_step(run, optimizer, abstract)
     finished = run.resuming and max(run.checkpoints.steps(), default=0) >= run.train.steps
     with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:

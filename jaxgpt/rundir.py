@@ -6,16 +6,17 @@ runs a new run may start from (`init_from`).
     params = init_params_from(config.init_from, model_cfg)
 
 init_from is 'hf:PATH' (a Hugging Face GPT-2 checkpoint, jaxgpt.convert) or the directory
-of a jaxgpt run: the new run takes its architecture (all of config.model but RUN_FIELDS:
-block_size, at most the source's; dropout; dtypes; attention; scan_layers), its tokenizer
-and the params of its best checkpoint (by validation loss; else the latest), with a fresh
-optimizer state from step 0: fine-tuning.
+of a jaxgpt run: the new run takes its model (all of config.model but RUN_FIELDS: block_size,
+at most the source's, and the dropout rates), its tokenizer and the params of its best
+checkpoint (by validation loss; else the latest), with a fresh optimizer state from step 0:
+fine-tuning. How either runs (config.compute) is the caller's own.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,30 +25,48 @@ import jax.numpy as jnp
 
 from jaxgpt import convert, data, tokenizers
 from jaxgpt.checkpoint import Checkpoints
-from jaxgpt.config import GPTConfig
+from jaxgpt.config import RESUME, ComputeConfig, GPTConfig
+from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.model import GPT, layers_as, unstack_layers
+from jaxgpt.model_config import split_model
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 HF_SCHEME = "hf:"
-# What a run chooses for itself when it starts from another; the source fixes the rest.
-RUN_FIELDS = ("block_size", "dropout", "dtype", "param_dtype", "attention", "scan_layers")
+# What of the model a run chooses for itself when it starts from another (a shorter context,
+# its own dropout: neither changes the function at inference); the source fixes the rest.
+RUN_FIELDS = ("block_size", "dropout", "ffn_dropout")
 
 
-def load_run(run_dir, step: int | None = None):
+def load_run(run_dir, step: int | None = None, compute: ComputeConfig | None = None):
     """(params, config, tokenizer) of a training run: config.json, tokenizer.json and the
     params of the best checkpoint by validation loss (the latest if none was evaluated), or
-    of `step`. Raises ValueError for a missing or malformed run directory and
-    jaxgpt.checkpoint.CheckpointError when it holds no usable checkpoint."""
+    of `step`, in the layout and param dtype of `compute` (default: per layer, float32),
+    whatever the run was trained with. Raises ValueError for a missing or malformed run
+    directory and jaxgpt.checkpoint.CheckpointError when it holds no usable checkpoint."""
     run_dir = Path(run_dir)
-    _, config, tokenizer = read_run(run_dir)
-    abstract = jax.eval_shape(lambda: GPT(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    saved, config, tokenizer = read_run(run_dir)
+    compute = ComputeConfig() if compute is None else compute
+    saved_run = saved_compute(saved)  # its checkpoints hold the params in its layout and dtype
+    written = GPT(config, ComputeConfig(param_dtype=saved_run.param_dtype, scan_layers=saved_run.scan_layers))
+    abstract = jax.eval_shape(lambda: written.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
     checkpoints = Checkpoints(run_dir, read_only=True)
     try:
         params, _ = checkpoints.restore_params(abstract, step=step)
     finally:
         checkpoints.close()
-    return params, config, tokenizer
+    params = jax.tree.map(lambda x: x.astype(compute.params_dtype), params)
+    return layers_as(params, compute.scan_layers), config, tokenizer
+
+
+def saved_compute(saved: dict) -> ComputeConfig:
+    """How a run directory's checkpoints were written: its config's compute section, or in
+    a run from before that section, the compute keys of its model section."""
+    values = saved.get("compute") or split_model(saved.get("model", {}))[1]
+    try:
+        return ComputeConfig.from_dict(values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the run's config.json has no valid compute section ({err})") from None
 
 
 
@@ -126,19 +145,21 @@ def _run_source(spec: str) -> tuple[GPTConfig, tokenizers.Tokenizer]:
     return source_cfg, tokenizer
 
 
-def init_params_from(spec: str, cfg: GPTConfig, shardings=None) -> dict:
-    """The params a run of `cfg` starts from: those of `spec` ('hf:PATH', or a run
-    directory's best checkpoint), by fit_params."""
+def init_params_from(spec: str, cfg: GPTConfig, compute: ComputeConfig | None = None, shardings=None) -> dict:
+    """The params a run of `cfg` (running as `compute`) starts from: those of `spec`
+    ('hf:PATH', or a run directory's best checkpoint), by fit_params."""
+    compute = ComputeConfig() if compute is None else compute
     if str(spec).startswith(HF_SCHEME):
         directory = _hf_directory(spec)
-        return fit_params(*convert.load_hf_gpt2(directory), cfg, shardings, f"the checkpoint {directory}")
+        return fit_params(*convert.load_hf_gpt2(directory), cfg, compute, shardings, f"the checkpoint {directory}")
     params, source_cfg, _ = load_run(_run_directory(spec))
-    return fit_params(source_cfg, params, cfg, shardings, f"the run {spec}")
+    return fit_params(source_cfg, params, cfg, compute, shardings, f"the run {spec}")
 
 
-def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, shardings, source: str) -> dict:
+def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, compute: ComputeConfig, shardings,
+               source: str) -> dict:
     """A source model's params for a run of `cfg`: the same architecture or ValueError, cropped
-    to cfg.block_size, in cfg.param_dtype and cfg's layer layout (model.layers_as), placed by
+    to cfg.block_size, in compute's param dtype and layer layout (model.layers_as), placed by
     `shardings` when given (each process makes its shards: any number of hosts)."""
     different = [f"{n}={getattr(cfg, n)!r} (checkpoint: {getattr(source_cfg, n)!r})" for n in source_cfg.to_dict()
                  if n not in RUN_FIELDS and getattr(cfg, n) != getattr(source_cfg, n)]
@@ -146,8 +167,59 @@ def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, shardings, source:
         raise ValueError(f"the model config does not match {source}: {', '.join(different)}; leave the architecture "
                          "to the checkpoint")
     _, params = convert.crop_block_size(source_cfg, unstack_layers(jax.device_get(params)), cfg.block_size)
-    params = layers_as(jax.tree.map(lambda x: x.astype(cfg.params_dtype), params), cfg)
+    params = layers_as(jax.tree.map(lambda x: x.astype(compute.params_dtype), params), compute.scan_layers)
     if shardings is None:
         return params
     return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
                         params, shardings)
+
+
+# --- continuing the run in a directory ------------------------------------------------------------
+
+
+def resume_policy(resume: str, checkpoints: Checkpoints) -> bool:
+    """Whether to resume: resume='auto' when the directory holds a checkpoint; 'must' and
+    'never' insist on one or on none."""
+    if resume not in RESUME:
+        raise ConfigError(f"resume={resume!r}: must be {', '.join(RESUME)}")
+    steps = checkpoints.steps()
+    if resume == "must" and not steps:
+        raise TrainingError(f"resume='must' but {checkpoints.directory.parent} has no checkpoint to resume from")
+    if resume == "never" and steps:
+        raise TrainingError(f"resume='never' but {checkpoints.directory.parent} already holds checkpoints (steps "
+                            f"{steps}): choose another --config.run_dir or remove that directory")
+    return bool(steps)
+
+
+def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
+                   tokenizer: tokenizers.Tokenizer) -> ComputeConfig | None:
+    """A resume continues the run in the directory: the same model and the same tokenizer
+    (its checkpoints mean nothing under another mapping of ids to text). How it runs may
+    change; each change is said. Returns how the checkpoints were written (None: unknown)."""
+    saved_path = directory / CONFIG_FILE
+    written = None
+    if saved_path.exists():
+        saved = json.loads(saved_path.read_text())
+        saved_model = _saved_model(saved.get("model"))
+        if saved_model != cfg:  # fields added since the run began take their defaults
+            raise TrainingError(f"{directory} holds a run of another model ({saved.get('model')}); resume it with its "
+                                "own config or choose another --config.run_dir")
+        written = saved_compute(saved)
+        changes = [f"{key} {old!r} → {new!r}" for key, old in written.to_dict().items()
+                   if (new := getattr(compute, key)) != old]
+        if changes:
+            print(f"jaxgpt: resuming with other compute settings: {', '.join(changes)}", file=sys.stderr)
+    pinned_path = directory / TOKENIZER_FILE
+    if pinned_path.exists() and tokenizers.load(pinned_path) != tokenizer:
+        raise TrainingError(f"the data now makes another tokenizer than {pinned_path}, which this run's checkpoints "
+                            f"were trained with: resume with the run's own data, or set --config.data.tokenizer="
+                            f"{pinned_path} to read new data with the run's tokenizer, or choose another "
+                            "--config.run_dir")
+    return written
+
+
+def _saved_model(values) -> GPTConfig | None:
+    try:
+        return GPTConfig.from_dict(values)
+    except (TypeError, ValueError):
+        return None

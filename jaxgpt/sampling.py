@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.caches import KVCache
-from jaxgpt.config import GPTConfig, is_int, is_number
+from jaxgpt.config import ComputeConfig, GPTConfig, is_int, is_number
 from jaxgpt.decoding import check_reach, is_concrete, next_logits, prompt_batch, start_cache
+from jaxgpt.model import GPT
 
 # --- the sampling maths: pure functions of logits (V,) or (..., V) ---------------------------
 
@@ -205,7 +205,12 @@ class Step(NamedTuple):
 class _Program:
     """The static choices that select a compiled program (with the argument shapes)."""
 
+    @property
+    def model(self) -> GPT:
+        return GPT(self.config, self.compute)
+
     config: GPTConfig
+    compute: ComputeConfig
     max_new_tokens: int
     top_k: int | None
     use_top_p: bool
@@ -231,7 +236,7 @@ class _State:
     lengths: jax.Array  # (B,)
     active: jax.Array  # (B,) not yet stopped at EOS
     uniforms: jax.Array  # (B, max_new_tokens) the randomness of each row's draw at each step
-    cache: KVCache
+    cache: Any  # the attention form's cache (jaxgpt.attention)
     logprobs: jax.Array  # (B, max_new_tokens), always kept: cheap, and one program fewer
     top_ids: jax.Array | None
     top_logprobs: jax.Array | None
@@ -267,7 +272,7 @@ def _start(params, prompts, prompt_lengths, row_keys, traced: _Traced, program: 
         active=jnp.ones((batch,), bool),
         # drawn before the loop, which then only reads them
         uniforms=jax.vmap(lambda key: jax.random.uniform(key, (program.max_new_tokens,)))(row_keys),
-        cache=start_cache(params, program.config, tokens, prompt_lengths, prompts.shape[1]),
+        cache=start_cache(params, program.model, tokens, prompt_lengths, prompts.shape[1]),
         logprobs=jnp.zeros(records, jnp.float32),
         top_ids=jnp.zeros((*records, k), jnp.int32) if k else None,
         top_logprobs=jnp.zeros((*records, k), jnp.float32) if k else None,
@@ -277,7 +282,7 @@ def _start(params, prompts, prompt_lengths, row_keys, traced: _Traced, program: 
 def _step(params, state: _State, traced: _Traced, program: _Program):
     """Draw each active row's next token and append it; returns the new state and this
     step's records (token, whether the row was active, logprob, top ids, top logprobs)."""
-    logits, cache = next_logits(params, program.config, state.cache, state.tokens, state.lengths, state.active,
+    logits, cache = next_logits(params, program.model, state.cache, state.tokens, state.lengths, state.active,
                                 state.step)
     state = state.replace(cache=cache)
     top_p = traced.top_p if program.use_top_p else None
@@ -320,11 +325,14 @@ def _generate_program(params, prompts, prompt_lengths, row_keys, traced: _Traced
                       logprobs=state.logprobs, top_ids=state.top_ids, top_logprobs=state.top_logprobs)
 
 
-def _prepare(config, prompts, key, prompt_lengths, options: SamplingOptions):
+def _prepare(config, compute, prompts, key, prompt_lengths, options: SamplingOptions):
     """Check the arguments and put them in the form the compiled programs take: (prompts,
     prompt lengths, a key per row, the longest prompt or None, the traced options, the program)."""
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config must be a GPTConfig, got {type(config).__name__}")
+    compute = ComputeConfig() if compute is None else compute
+    if not isinstance(compute, ComputeConfig):
+        raise ValueError(f"compute must be a ComputeConfig, got {type(compute).__name__}")
     options.check(config)
     prompts, prompt_lengths, longest = prompt_batch(config, prompts, prompt_lengths, options.pad_id)
     check_reach(config, prompts, longest, options.max_new_tokens)
@@ -333,6 +341,7 @@ def _prepare(config, prompts, key, prompt_lengths, options: SamplingOptions):
     top_k = options.top_k
     program = _Program(
         config=config,
+        compute=compute,
         max_new_tokens=options.max_new_tokens,
         top_k=None if top_k is None or top_k >= config.vocab_size else top_k,  # keeping all: no filter
         use_top_p=options.top_p is not None,
@@ -365,7 +374,7 @@ def _check_key(key, batch_size: int) -> None:
 
 
 def generate(params, config: GPTConfig, prompts, key, options: SamplingOptions | None = None, *,
-             prompt_lengths=None, **option_fields) -> Generation:
+             prompt_lengths=None, compute: ComputeConfig | None = None, **option_fields) -> Generation:
     """Continue each prompt by up to max_new_tokens tokens drawn as the module docstring says.
 
     prompts: a list of token-id sequences (lengths may differ; each is padded up to a length
@@ -375,14 +384,17 @@ def generate(params, config: GPTConfig, prompts, key, options: SamplingOptions |
       jax.random.key(seed)), or a (B,) array of keys, one per row.
     options: a `SamplingOptions`, or instead its fields as keywords
       (`generate(params, cfg, prompts, key, max_new_tokens=20, temperature=0.8)`).
+    compute: how the model runs here (kernel, compute dtype; default float32 and the
+      explicit kernel): any compute config samples any run. params are used as given: cast
+      them once beforehand for another param dtype.
 
     One compiled program per batch size, prompt bucket and static choice (max_new_tokens,
     top_k, whether top_p is used, top_logprobs); temperature, top_p, eos_id and
     pad_id are traced, so changing them does not recompile.
     """
     options = _options(options, option_fields)
-    prompts, prompt_lengths, row_keys, longest, traced, program = _prepare(config, prompts, key, prompt_lengths,
-                                                                           options)
+    prompts, prompt_lengths, row_keys, longest, traced, program = _prepare(config, compute, prompts, key,
+                                                                           prompt_lengths, options)
     result = _generate_program(params, prompts, prompt_lengths, row_keys, traced, program)
     if not options.return_logprobs:
         result = result.replace(logprobs=None)
@@ -397,11 +409,12 @@ _step_program = jax.jit(_step, static_argnames="program")
 
 
 def stream(params, config: GPTConfig, prompts, key, options: SamplingOptions | None = None, *,
-           prompt_lengths=None, **option_fields) -> Iterator[Step]:
+           prompt_lengths=None, compute: ComputeConfig | None = None, **option_fields) -> Iterator[Step]:
     """`generate` one step at a time: yields a `Step` as soon as each token is drawn. Same
     arguments and the same tokens as `generate` (whose loop body is the compiled step)."""
     options = _options(options, option_fields)
-    prompts, prompt_lengths, row_keys, _, traced, program = _prepare(config, prompts, key, prompt_lengths, options)
+    prompts, prompt_lengths, row_keys, _, traced, program = _prepare(config, compute, prompts, key, prompt_lengths,
+                                                                     options)
     return _steps(params, prompts, prompt_lengths, row_keys, traced, program, options.return_logprobs)
 
 

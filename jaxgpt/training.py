@@ -8,6 +8,9 @@
 A batch is (inputs, targets) windows of a token stream, or (inputs, targets, mask,
 positions, segments) rows of packed examples (jaxgpt.data.packing).
 
+Each takes `model`: a GPT(cfg, compute), what the model computes and how it runs here, or a
+GPTConfig alone for GPT(cfg) with the default compute (float32, the explicit kernel).
+
 The loop that drives them (data, logging, evaluation, checkpoints, resume) is jaxgpt.run.
 """
 
@@ -40,6 +43,11 @@ class TrainState:
         return cls(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
 
 
+def as_model(model: GPT | GPTConfig) -> GPT:
+    """A GPT module: as given, or GPT(cfg) with the default compute for a GPTConfig."""
+    return GPT(model) if isinstance(model, GPTConfig) else model
+
+
 def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *, positions=None, segments=None,
             count=None):
     """Cross-entropy of the model's next-token predictions: the mean over the targets where
@@ -50,7 +58,7 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *,
     return ops.cross_entropy(logits, targets, mask, count)
 
 
-def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
+def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
                     grad_accum: int = 1):
     """train_step(state, batch, key) for a batch of k·B rows (k = grad_accum): batch is
     (inputs, targets) of a text stream, or (inputs, targets, mask, positions, segments) of
@@ -61,8 +69,8 @@ def make_train_step(model_cfg: GPTConfig, optimizer: optax.GradientTransformatio
     over the count of masked targets in the whole batch, so the k losses and their
     gradients, summed in a lax.scan (one gradient-sized buffer), are exactly those of one
     batch of k·B rows, however unevenly the mask falls."""
-    model = GPT(model_cfg)
-    use_dropout = model_cfg.dropout > 0
+    model = as_model(model)
+    use_dropout = model.cfg.dropout > 0
     k = grad_accum
 
     def train_step(state: TrainState, batch, key):
@@ -97,10 +105,10 @@ def seeded(train_step: Callable) -> Callable:
     return seeded_step
 
 
-def make_eval_step(model_cfg: GPTConfig):
+def make_eval_step(model: GPT | GPTConfig):
     """eval_step(params, inputs, targets, mask, positions=None, segments=None) -> (Σ of the
     masked targets' losses, their count)."""
-    model = GPT(model_cfg)
+    model = as_model(model)
 
     def eval_step(params, inputs, targets, mask, positions=None, segments=None):
         logits = model.apply({"params": params}, inputs, positions=positions, segments=segments)
@@ -112,10 +120,11 @@ def make_eval_step(model_cfg: GPTConfig):
     return eval_step
 
 
-def init_state(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, key) -> TrainState:
+def init_state(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, key) -> TrainState:
     """A fresh train state; `key` is a PRNG key or an integer seed (its key is made here, in
     the caller's program, rather than by programs of its own)."""
-    params = GPT(model_cfg).init(as_key(key), jnp.zeros((1, model_cfg.block_size), jnp.int32))["params"]
+    model = as_model(model)
+    params = model.init(as_key(key), jnp.zeros((1, model.cfg.block_size), jnp.int32))["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
@@ -132,24 +141,24 @@ def as_key(key_or_seed) -> jax.Array:
 INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
 
 
-def abstract_state(model_cfg: GPTConfig, optimizer: optax.GradientTransformation, mesh) -> TrainState:
+def abstract_state(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, mesh) -> TrainState:
     """The train state's shapes and dtypes (from jax.eval_shape: nothing allocated) with the
     shardings the partition rules give its leaves on `mesh`."""
-    shapes = jax.eval_shape(lambda: init_state(model_cfg, optimizer, 0))
+    shapes = jax.eval_shape(lambda: init_state(model, optimizer, 0))
     return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
                         shapes, sharding.tree_shardings(shapes, mesh))
 
 
-def sharded_init(model_cfg, optimizer, key, mesh):
+def sharded_init(model: GPT | GPTConfig, optimizer, key, mesh):
     """(state, its shardings): a fresh state initialised into the shardings of abstract_state."""
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_state(model_cfg, optimizer, mesh))
-    return initialise_into(model_cfg, optimizer, key, shardings), shardings
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_state(model, optimizer, mesh))
+    return initialise_into(model, optimizer, key, shardings), shardings
 
 
-def initialise_into(model_cfg, optimizer, key, shardings: TrainState) -> TrainState:
+def initialise_into(model: GPT | GPTConfig, optimizer, key, shardings: TrainState) -> TrainState:
     """A fresh train state made directly in `shardings`, in one program: a large model never
     materialises on one device. `key` is a PRNG key or an integer seed."""
     def init(k):
-        return init_state(model_cfg, optimizer, k)
+        return init_state(model, optimizer, k)
 
     return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key)

@@ -117,8 +117,8 @@ def explicit_forward(params, cfg: GPTConfig, tokens):
     if cfg.attention == "linear":
         raise ValueError("attention='linear' has no attention weights to draw (no softmax over the keys): "
                          "draw a model with softmax attention")
-    explicit = cfg.replace(attention="explicit", remat=False, scan_layers=False)
-    logits, state = GPT(explicit).apply({"params": layers_as(params, explicit)}, tokens, mutable=["intermediates"])
+    # GPT(cfg) runs the explicit kernel with the blocks per layer
+    logits, state = GPT(cfg).apply({"params": layers_as(params, False)}, tokens, mutable=["intermediates"])
     weights = {name: layer["attn"]["attention_weights"][0] for name, layer in state["intermediates"].items()}
     return logits, weights
 

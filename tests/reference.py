@@ -1,7 +1,7 @@
 """Float64 NumPy evaluations of the GPT equations, written independently of jaxgpt.ops.
 
 Loops and explicit formulas, no vectorised tricks: slow and plain, so they are easy to
-check by eye against the equations in DESIGN.md.
+check by eye against the equations in docs/MATH.md.
 """
 
 import math
@@ -150,6 +150,8 @@ def gpt_forward(cfg, params, tokens):
         if cfg.positions == "rope":
             qh, kh = rope(qh, positions, cfg.rope_base), rope(kh, positions, cfg.rope_base)
         mask = np.tril(np.ones((T, T), bool))
+        if cfg.window is not None:  # local: 0 ≤ t − s < window
+            mask &= np.triu(np.ones((T, T), bool), k=-(cfg.window - 1))
         bias = None
         if cfg.positions == "alibi":
             i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")

@@ -17,8 +17,8 @@ from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.training import init_state, make_train_step, sharded_init  # noqa: E402
 
 TRAIN = TrainConfig(**dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0))
-# sizes divisible by every mesh axis, so each rule really shards; dropout masks are hashes of
-# each element's global index, so they too are the same on every mesh
+# sizes divisible by every mesh axis, so each rule really shards; dropout masks depend on each
+# element's global index only (partitionable threefry), so they too are the same on every mesh
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, d_model=32, d_ff=64, dropout=0.1)
 STEPS, K, B = 3, 2, 8
 

@@ -1,8 +1,15 @@
 """Checkpoints: a state with NaN or ±inf is never saved; a restored state must match the
-checksums it was saved with; a step with damaged metrics keeps its parameters."""
+checksums it was saved with, which are computed on the devices (only three words per tensor
+reach the host) and are the same on any mesh; a step with damaged metrics keeps its parameters."""
 
 import json
 import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
 
 import jax
@@ -10,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.checkpoint import CheckpointError, Checkpoints, NonFiniteState, tree_checksums
+from jaxgpt import checkpoint
+from jaxgpt.checkpoint import CHECKSUMS, CheckpointError, Checkpoints, NonFiniteState, tree_checksums
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def state(seed: float) -> dict:
@@ -31,12 +41,57 @@ def saved(tmp_path, steps=(1, 2, 3), losses=None) -> Path:
     return tmp_path / "checkpoints"
 
 
-def test_checksums_are_float64_sums_of_each_tensor():
-    sums = tree_checksums(state(2.0))
-    w = np.arange(6.0) * 2.0
-    assert sums["['params']['w']"] == [w.sum(), np.abs(w).sum()]
-    assert sums["['params']['b']"] == [-6.0, 6.0]
-    assert sums["['step']"] == [2.0, 2.0]
+def reference_sums(x: np.ndarray) -> list[int]:
+    """[Σw, Σ(i+1)·w, non-finite] of x's bits as 32-bit words w (narrower elements zero-extended),
+    in Python integers, modulo 2^32."""
+    words = [int(w) for w in np.ascontiguousarray(x).view(f"uint{8 * x.itemsize}").ravel()]
+    non_finite = x.dtype.kind not in "biu" and not np.isfinite(x.astype(np.float64)).all()
+    return [sum(words) % 2**32, sum((i + 1) * w for i, w in enumerate(words)) % 2**32, int(non_finite)]
+
+
+def test_checksums_are_the_sums_of_each_tensors_words():
+    tree = {**state(2.0), "half": jnp.linspace(-3, 3, 10, dtype=jnp.bfloat16).reshape(2, 5),
+            "mask": jnp.array([True, False, True]), "bad": jnp.array([1.0, jnp.inf, 2.0], jnp.bfloat16)}
+    sums = tree_checksums(tree)
+    assert sums == {jax.tree_util.keystr(path): reference_sums(np.asarray(leaf))
+                    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    assert sums["['step']"] == [2, 2, 0] and sums["['bad']"][2] == 1 and sums["['half']"][2] == 0
+
+
+def test_one_changed_bit_or_two_swapped_elements_change_the_checksum():
+    w = jnp.arange(6.0).reshape(2, 3) + 0.5
+    flipped = jax.lax.bitcast_convert_type(w, jnp.uint32).at[1, 1].add(1)
+    swapped = w.at[0, 0].set(w[1, 2]).at[1, 2].set(w[0, 0])
+    original = tree_checksums(w)[""]  # a bare array: the empty path
+    assert tree_checksums(jax.lax.bitcast_convert_type(flipped, jnp.float32))[""] != original
+    assert tree_checksums(swapped)[""][0] == original[0] and tree_checksums(swapped)[""] != original
+    assert tree_checksums(w.T)[""] != original  # the same values, transposed
+
+
+def test_checksums_copy_no_tensor_to_the_host():
+    """No host copy of the state (the earlier float64 sums made an 8 MB one of this 4 MB
+    tensor); on an accelerator the guard also refuses any implicit read of a tensor (on a CPU,
+    NumPy reads a jax.Array's memory in place, which no guard sees)."""
+    tree = {**state(2.0), "big": jnp.full((1024, 1024), 0.5)}
+    tree_checksums(tree)  # compiled first: compiling allocates on the host
+    tracemalloc.start()
+    try:
+        with jax.transfer_guard_device_to_host("disallow"):
+            sums = tree_checksums(tree)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024 and sums["['big']"] == reference_sums(np.asarray(tree["big"]))
+
+
+def test_the_checksum_program_is_compiled_once_per_state_structure(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=5, async_save=False)
+    checkpoints.save(1, state(1.0))
+    compiled = checkpoint._device_checksums._cache_size()  # the programs jit holds for it
+    for step in (2, 3):
+        checkpoints.save(step, state(float(step)))
+    checkpoints.close()
+    assert checkpoint._device_checksums._cache_size() == compiled
 
 
 def test_a_non_finite_state_is_never_saved_and_the_tensor_is_named(tmp_path):
@@ -57,7 +112,7 @@ def test_a_state_that_does_not_match_its_checksums_falls_back_to_the_previous(tm
     # the ones saved. Recording other sums for step 3 makes its true arrays that mismatch.
     metadata_file = directory / "3" / "_CHECKPOINT_METADATA"
     metadata = json.loads(metadata_file.read_text())
-    metadata["custom_metadata"]["checksums"]["['params']['w']"][0] += 1e-6
+    metadata["custom_metadata"][CHECKSUMS]["['params']['w']"][0] += 1  # the smallest change
     metadata_file.write_text(json.dumps(metadata))
     caplog.set_level(logging.WARNING)
     checkpoints = Checkpoints(tmp_path, keep=5, async_save=False)
@@ -98,3 +153,88 @@ def test_sampling_falls_back_from_a_damaged_best_checkpoint(tmp_path, caplog):
     with pytest.raises(CheckpointError, match="checkpoint at step 2 .* is unreadable or damaged"):
         checkpoints.restore_params(abstract()["params"], step=2)
     assert (directory / "2").is_dir()  # read-only: nothing moved
+
+
+def test_tensors_replaced_by_another_steps_intact_files_are_found(tmp_path, caplog):
+    """Files that orbax reads without complaint, holding other values than the ones saved."""
+    directory = saved(tmp_path)
+    shutil.rmtree(directory / "3" / "state")
+    shutil.copytree(directory / "2" / "state", directory / "3" / "state")
+    caplog.set_level(logging.WARNING)
+    checkpoints = Checkpoints(tmp_path, keep=5, async_save=False)
+    restored, step = checkpoints.restore(abstract())
+    assert step == 2 and float(restored["params"]["b"][0]) == -2.0
+    assert "checkpoint at step 3" in caplog.text and "does not match the checksum" in caplog.text
+    checkpoints.close()
+
+
+def with_devices(code: str, *args, devices: int) -> subprocess.Popen:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finished(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 0, err[-3000:]
+    return out.strip()
+
+
+EIGHT_DEVICES = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxgpt.checkpoint import Checkpoints, tree_checksums
+values = {"step": jnp.int32(5), "params": {"w": jnp.arange(64.0).reshape(8, 8) - 30.5,
+          "b": jnp.linspace(-1, 1, 8)}, "opt_state": {"mu": jnp.full((8, 8), 0.25)}}
+
+def placed(mesh_shape, matrix, vector):
+    mesh = jax.make_mesh(mesh_shape, ("a", "b"))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    return {"step": put(values["step"], P()), "params": {"w": put(values["params"]["w"], matrix),
+            "b": put(values["params"]["b"], vector)}, "opt_state": {"mu": put(values["opt_state"]["mu"], matrix)}}
+
+checkpoints = Checkpoints(sys.argv[1], async_save=False)
+checkpoints.save(5, placed((4, 2), P("a", "b"), P("a")))
+for target in (placed((2, 4), P("b", "a"), P()), placed((8, 1), P(None, "a"), P("a")), values):
+    assert tree_checksums(target) == tree_checksums(values)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+    restored, step = checkpoints.restore(abstract, step=5)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+        assert got.sharding == want.sharding and np.array_equal(got, want)
+checkpoints.close()
+print("ok")
+"""
+
+
+def test_a_checkpoint_saved_on_one_mesh_restores_intact_onto_others(tmp_path):
+    """Checksums of a tensor sharded over 8 devices (4×2) equal those on other meshes and on
+    one device, so its restore onto each passes the check."""
+    assert finished(with_devices(EIGHT_DEVICES, tmp_path, devices=8)) == "ok"
+
+
+TWO_PROCESSES = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+process, port = int(sys.argv[1]), sys.argv[2]
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process)
+from jaxgpt.checkpoint import tree_checksums
+values = np.arange(48, dtype=np.float32).reshape(8, 6) - 20.5
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+def global_array(spec):
+    return jax.make_array_from_callback(values.shape, NamedSharding(mesh, spec), lambda index: values[index])
+sums = tree_checksums({"sharded": global_array(P("a", "b")), "replicated": global_array(P())})
+assert sums["['sharded']"] == sums["['replicated']"] == tree_checksums(jnp.asarray(values))[""], sums
+jax.distributed.shutdown()
+print("ok")
+"""
+
+
+def test_checksums_over_two_processes_count_each_element_once():
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    workers = [with_devices(TWO_PROCESSES, process, port, devices=2) for process in (0, 1)]
+    assert [finished(worker).splitlines()[-1] for worker in workers] == ["ok", "ok"]  # after gloo's lines

@@ -189,9 +189,12 @@ def test_record_prompt_of_a_chat_holds_the_earlier_turns(tokenizer):
 
 
 def test_run_templates_and_raw_prompts(tokenizer):
-    run = {"format": "records", "template": None, "prompt_template": "Q={q}[[ ({note})]] ",
-           "completion_template": "{a}", "source": "ignored.jsonl"}
+    run = {"format": "records", "source": "ignored.jsonl",
+           "records": {"template": None, "prompt_template": "Q={q}[[ ({note})]] ", "completion_template": "{a}"}}
     forms = templates_named("run", run)
+    # a run directory written before data.records kept these keys flat in its data section
+    flat = {"format": "records", "source": "ignored.jsonl", **run["records"], "packing": "pack"}
+    assert templates_named("run", flat) == forms
     assert required_fields(forms.prompt) == ["q"]
     assert record_prompt(forms, {"q": "12"}, tokenizer)[0] == "Q=12 "
     assert record_prompt(forms, {"q": "12", "note": "hi"}, tokenizer)[0] == "Q=12 (hi) "

@@ -3,7 +3,11 @@
 import jax
 import pytest
 
-from jaxgpt import GPTConfig
+from jaxgpt import ComputeConfig, GPTConfig
+from jaxgpt.config import default_config
+from jaxgpt.errors import ConfigError
+from jaxgpt.model_config import split_model
+from jaxgpt.run import compute_config
 
 
 def test_defaults_are_gpt2():
@@ -23,8 +27,11 @@ def test_defaults_are_gpt2():
         (dict(norm="batchnorm"), r"norm='batchnorm': must be one of layernorm, rmsnorm"),
         (dict(norm_position="middle"), r"norm_position='middle': must be one of pre, post"),
         (dict(activation="tanh"), r"activation='tanh': must be one of gelu, gelu_exact, relu, swiglu, geglu"),
-        (dict(attention="flash"), r"attention='flash': must be one of explicit, blocked, xla, cudnn"),
-        (dict(dtype="int8"), r"dtype='int8': must be one of"),
+        (dict(attention="flash"), r"attention='flash': must be one of softmax, linear, local"),
+        (dict(attention="xla"), r"attention='xla' is a kernel.*set compute.kernel='xla'"),
+        (dict(attention="local"), r"window=None with attention='local'"),
+        (dict(window=8), r"window=8 with attention='softmax'"),
+        (dict(attention="local", window=0), r"window=0: must be a positive integer"),
         (dict(n_layer=0), r"n_layer=0: must be a positive integer"),
         (dict(d_model=-8), r"d_model=-8: must be a positive integer"),
         (dict(vocab_size=3.5), r"vocab_size=3.5: must be a positive integer"),
@@ -40,10 +47,30 @@ def test_impossible_settings_raise(changes, expected):
         GPTConfig(**{**dict(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8), **changes})
 
 
+@pytest.mark.parametrize("changes, expected", [
+    (dict(kernel="flash"), r"ComputeConfig.kernel='flash': must be one of explicit, blocked, xla, cudnn"),
+    (dict(dtype="int8"), r"ComputeConfig.dtype='int8': must be one of"),
+    (dict(remat="yes"), r"ComputeConfig.remat='yes': must be True or False"),
+])
+def test_impossible_compute_settings_raise(changes, expected):
+    with pytest.raises(ValueError, match=expected):
+        ComputeConfig(**changes)
+
+
+def test_a_cudnn_compute_config_is_valid_anywhere_and_the_model_it_runs_is_softmax():
+    """The kernel is how a model runs, not what it is: nothing asks which devices exist."""
+    assert ComputeConfig(kernel="cudnn").kernel == "cudnn"
+    old = {"attention": "cudnn", "dtype": "bfloat16", "remat": True, "scan_layers": True, "n_layer": 2}
+    assert GPTConfig.from_dict(old) == GPTConfig(attention="softmax", n_layer=2)
+    assert split_model(old)[1] == {"kernel": "cudnn", "dtype": "bfloat16", "remat": True, "scan_layers": True}
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn is valid where a GPU is present")
-def test_cudnn_without_gpu_raises():
-    with pytest.raises(ValueError, match=r"attention='cudnn' needs a CUDA GPU.*use attention='xla' or 'explicit'"):
-        GPTConfig(attention="cudnn")
+def test_a_run_with_the_cudnn_kernel_without_a_gpu_says_what_to_use():
+    config = default_config()
+    config.compute.kernel = "cudnn"
+    with pytest.raises(ConfigError, match=r"compute.kernel='cudnn' needs a CUDA GPU.*kernel=xla or explicit"):
+        compute_config(config)
 
 
 def test_round_trip_through_dict_and_unknown_field():
@@ -91,3 +118,48 @@ def test_replace_derives_the_derived_fields_again():
     chosen = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=4, d_model=32, d_ff=48, head_dim=6, n_kv_head=2)
     kept = chosen.replace(n_head=8)
     assert (kept.d_ff, kept.head_dim, kept.n_kv_head) == (48, 6, 2)
+
+
+# --- the data section: shared keys, and a section per source kind -------------------------------
+
+
+def test_each_source_section_is_overridable_and_checked_from_the_command_line():
+    from jaxgpt.cli import parse_config
+    from jaxgpt.config import DataConfig
+    from jaxgpt.errors import ConfigError, DataError
+
+    config = parse_config(["train.py", "--config.data.ocr.lang=deu", "--config.data.tfds.data_dir=/data/tfds",
+                           "--config.data.records.template=qa", "--config.data.ocr.min_confidence=60"],
+                          "configs/default.py")
+    settings = DataConfig.from_mapping(config.data)
+    assert (settings.ocr.lang, settings.ocr.min_confidence) == ("deu", 60.0)
+    assert (settings.tfds.data_dir, settings.records.template) == ("/data/tfds", "qa")
+    bad = parse_config(["train.py", "--config.data.ocr.workers=0"], "configs/default.py")
+    with pytest.raises(DataError, match=r"^data.ocr.workers=0: must be None or a positive integer$"):
+        DataConfig.from_mapping(bad.data)
+    with pytest.raises(ConfigError, match=r"^no key 'data.ocr_lang'; it is now 'data.ocr.lang'$"):
+        parse_config(["train.py", "--config.data.ocr_lang=deu"], "configs/default.py")
+    with pytest.raises(ConfigError, match=r"^data.ocr is a section now: the old data.ocr is 'data.ocr.mode'$"):
+        parse_config(["train.py", "--config.data.ocr=never"], "configs/default.py")
+    with pytest.raises(ConfigError, match=r"data.ocr has no key\(s\) language; its keys: drop_low_confidence"):
+        DataConfig.from_mapping({"ocr": {"language": "deu"}})
+
+
+def test_a_data_section_saved_with_the_flat_keys_of_before_reads_as_the_sections():
+    """A run directory's config.json written before the sections (data.ocr_lang, data.template,
+    …) is read by eval.py and sample.py as it was meant."""
+    from jaxgpt.config import FLAT_DATA_KEYS, DataConfig, HfConfig, OcrConfig, RecordsConfig, default_config
+
+    saved = {"source": "notes.jsonl", "text_field": "body", "tfds_text_feature": "content", "tfds_data_dir": None,
+             "ocr": "never", "ocr_lang": "deu", "ocr_workers": 2, "ocr_min_confidence": None,
+             "ocr_drop_low_confidence": False, "on_bad_file": "error", "template": "qa", "prompt_template": None,
+             "completion_template": None, "loss_on": "all", "truncate": "error", "packing": "pad"}
+    settings = DataConfig.from_mapping(saved)
+    assert settings.ocr == OcrConfig(mode="never", lang="deu", workers=2)
+    assert (settings.files.text_field, settings.files.on_bad_file, settings.hf) == ("body", "error",
+                                                                                  HfConfig(text_field="body"))
+    assert settings.tfds.text_feature == "content"
+    assert settings.records == RecordsConfig(template="qa", loss_on="all", truncate="error", packing="pad")
+    assert set(saved) - {"source"} == set(FLAT_DATA_KEYS)  # every flat key of before is read
+    assert DataConfig.from_mapping(default_config().data) == DataConfig.from_mapping(dict(default_config().data)) \
+        == DataConfig()

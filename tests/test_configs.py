@@ -32,4 +32,4 @@ def test_presets_match_their_recipes():
     assert not cpu.model.bias and cpu.model.dropout == 0.0
     gpt2 = configs["gpt2_124m"]
     assert gpt2.train.batch_size * gpt2.train.grad_accum * gpt2.model.block_size == 524_288
-    assert gpt2.model.dtype == "bfloat16" and gpt2.model.param_dtype == "float32"
+    assert gpt2.compute.dtype == "bfloat16" and gpt2.compute.param_dtype == "float32"

@@ -17,7 +17,7 @@ import reference as ref
 from safetensors.numpy import load_file, save_file
 from test_model import random_params
 
-from jaxgpt import GPTConfig, convert, export, rundir, sampling, text, tokenizers
+from jaxgpt import ComputeConfig, GPTConfig, convert, export, rundir, sampling, text, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.model import GPT
 from jaxgpt.run import load_run
@@ -303,14 +303,14 @@ def test_init_params_from_crops_the_context_and_keeps_the_function(checkpoint):
     tokens = tokens_for(cfg)
     # Causal: the first 8 positions of a 16-token sequence see only its first 8 tokens.
     np.testing.assert_allclose(logits(short, cropped, tokens[:, :8]), logits(cfg, params, tokens)[:, :8], atol=1e-5)
-    in_bfloat16 = rundir.init_params_from(f"hf:{checkpoint}", short.replace(param_dtype="bfloat16"))
+    in_bfloat16 = rundir.init_params_from(f"hf:{checkpoint}", short, ComputeConfig(param_dtype="bfloat16"))
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(in_bfloat16))
 
 
 def test_init_params_from_places_params_with_the_given_shardings(checkpoint):
     cfg, params = convert.load_hf_gpt2(checkpoint)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    placed = rundir.init_params_from(f"hf:{checkpoint}", cfg, jax.tree.map(lambda _: device, params))
+    placed = rundir.init_params_from(f"hf:{checkpoint}", cfg, shardings=jax.tree.map(lambda _: device, params))
     assert all(leaf.sharding == device for leaf in jax.tree.leaves(placed))
     jax.tree.map(np.testing.assert_array_equal, placed, params)
 
@@ -333,11 +333,13 @@ def test_resolve_init_from_takes_the_architecture_and_tokenizer_of_the_checkpoin
     config = default_config()
     config.init_from = f"hf:{checkpoint}"
     config.run_dir = str(tmp_path / "run")
-    config.model.update(n_layer=6, d_model=128, block_size=8, dropout=0.1, dtype="bfloat16")
+    config.model.update(n_layer=6, d_model=128, block_size=8, dropout=0.1)
+    config.compute.dtype = "bfloat16"  # how it runs is the caller's own
     before = config.to_dict()
     resolved_config, tokenizer = rundir.resolve_init_from(config)
     resolved = GPTConfig.from_dict(dict(resolved_config.model))
-    assert resolved == tiny(block_size=8, dropout=0.1, dtype="bfloat16")
+    assert resolved == tiny(block_size=8, dropout=0.1)
+    assert resolved_config.compute.dtype == "bfloat16"
     assert tokenizer == bpe
     assert config.to_dict() == before  # the caller's config is left as it was
 

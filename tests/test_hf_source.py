@@ -1,4 +1,4 @@
-"""The hf: source (jaxgpt.data.hf): local parquet, JSON lines and save_to_disk datasets read
+"""The hf: source (jaxgpt.data.sources.hf): local parquet, JSON lines and save_to_disk datasets read
 through `data.prepare` give back the rows written; bad input and an unreachable Hub fail in one
 line, at once. The rows are written here with pyarrow, json and `datasets` itself."""
 
@@ -16,9 +16,9 @@ pq = pytest.importorskip("pyarrow.parquet")
 from conftest import corpus_documents  # noqa: E402
 
 from jaxgpt import data  # noqa: E402
-from jaxgpt.config import DataConfig  # noqa: E402
+from jaxgpt.config import DataConfig, HfConfig  # noqa: E402
 from jaxgpt.data import DataError  # noqa: E402
-from jaxgpt.data.hf import hf_source, parse_spec  # noqa: E402
+from jaxgpt.data.sources.hf import hf_source, parse_spec  # noqa: E402
 
 ROWS = ["The first row.\nTwo lines.", "Unicode: café, 東京, 🙂", "", "tabs\tand  spaces ", "last"]
 KEPT = [row for row in ROWS if row]  # an empty row is no document
@@ -82,17 +82,17 @@ def test_a_directory_of_parquet_files_takes_its_splits_from_the_file_names(tmp_p
 def test_a_missing_text_field_names_the_field_and_the_columns(tmp_path):
     path = write_parquet(tmp_path / "rows.parquet", ROWS, body=ROWS)
     with pytest.raises(DataError, match=r"no field 'content' \(its columns: text, body\)") as err:
-        data.prepare(config(tmp_path, source=f"hf:{path}", text_field="content"))
+        data.prepare(config(tmp_path, source=f"hf:{path}", hf={"text_field": "content"}))
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match="no field 'content'"):
         data.prepare(config(tmp_path, source=f"hf:{write_jsonl(tmp_path / 'rows.jsonl', ROWS)}",
-                            text_field="content"))
+                            hf={"text_field": "content"}))
 
 
 def test_a_field_that_holds_no_text_is_an_error(tmp_path):
     path = write_parquet(tmp_path / "rows.parquet", ROWS, number=list(range(len(ROWS))))
     with pytest.raises(DataError, match="field 'number' holds int, not text"):
-        data.prepare(config(tmp_path, source=f"hf:{path}", text_field="number"))
+        data.prepare(config(tmp_path, source=f"hf:{path}", hf={"text_field": "number"}))
 
 
 @pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9", "https://hub.invalid"])  # refused; no such host
@@ -174,7 +174,7 @@ def test_the_identity_changes_with_the_files_and_the_settings(tmp_path):
     path = write_parquet(tmp_path / "rows.parquet", ROWS)
     first = hf_source(f"hf:{path}", DataConfig()).identity
     assert hf_source(f"hf:{path}", DataConfig()).identity == first
-    assert hf_source(f"hf:{path}", DataConfig(text_field="body")).identity != first
+    assert hf_source(f"hf:{path}", DataConfig(hf=HfConfig(text_field="body"))).identity != first
     write_parquet(path, ROWS[:2])
     assert hf_source(f"hf:{path}", DataConfig()).identity != first
 

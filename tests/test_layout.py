@@ -1,4 +1,4 @@
-"""The house rules of DESIGN.md, checked on the source: imports go downward, no cycles, presets
+"""The house rules of docs/ARCHITECTURE.md ("Layers"), checked on the source: imports go downward, no cycles, presets
 import only the config schema, and no module or function outgrows one concern.
 
 Every module of jaxgpt/ is parsed with `ast` (imports inside functions count too). A module
@@ -22,7 +22,7 @@ PACKAGE = ROOT / "jaxgpt"
 LAYERS = (
     ("errors", "files", "lazy", "model_config"),
     ("config", "ops", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
-    ("caches", "cli"),
+    ("attention", "positions", "cli"),
     ("optim", "data", "model"),
     ("training", "decoding", "convert"),
     ("evaluation", "sampling", "beam", "rundir"),
@@ -34,7 +34,7 @@ LAYERS = (
 )
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
-LONGER_FUNCTIONS = {("run.py", "train"): 80}  # the run loop reads best in one piece
+LONGER_FUNCTIONS: dict[tuple[str, str], int] = {}  # (module, function) → its own limit, with the reason
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import reference as ref
 
-from jaxgpt import GPT, GPTConfig, flops_per_token, init_cache, param_count
+from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache, param_count
 
 POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "none"]
 VARIANTS = [
@@ -37,7 +37,12 @@ VARIANTS = [
     {"attention": "linear"},
     {"attention": "linear", "positions": "rope", "linear_feature": "relu", "n_head": 4, "n_kv_head": 2},
     {"attention": "linear", "positions": "none", "head_dim": 6},
+    {"attention": "local", "window": 3},
+    {"attention": "local", "window": 4, "positions": "rope", "n_head": 4, "n_kv_head": 2},
 ]
+
+
+DEFAULT = ComputeConfig()  # float32, the explicit kernel, per-layer blocks
 
 
 def tiny(**changes):
@@ -65,10 +70,10 @@ def random_params(cfg, seed=0):
     return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def forward(cfg, params, x, cache=None):
+@functools.partial(jax.jit, static_argnums=0, static_argnames="compute")
+def forward(cfg, params, x, cache=None, compute=DEFAULT):
     """The model, jitted once per config and shape (tests run many small models)."""
-    return GPT(cfg).apply({"params": params}, x, cache)
+    return GPT(cfg, compute).apply({"params": params}, x, cache)
 
 
 def tokens(cfg, batch, length, seed=0):
@@ -98,7 +103,8 @@ def test_variants_differ_from_default(changes):
 
 CAUSAL = [{"positions": p} for p in POSITIONS] + [  # and issue #19's variants
     {"attention": "linear"}, {"attention": "linear", "positions": "rope"}, {"n_head": 4, "n_kv_head": 1},
-    {"head_dim": 6, "logits_bias": True}, {"activation": "glu"}, {"ffn_layers": 3, "activation": "silu"}]
+    {"head_dim": 6, "logits_bias": True}, {"activation": "glu"}, {"ffn_layers": 3, "activation": "silu"},
+    {"attention": "local", "window": 4}]
 
 
 @pytest.mark.parametrize("changes", CAUSAL, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -122,18 +128,21 @@ def test_causality(changes):
 
     jac = jax.jit(jax.jacrev(projected_logits))(perturbations)["embeddings"][:, 0]  # (T_out, T_in, d)
     size = np.abs(np.asarray(jac)).sum(-1)
-    future = np.triu(np.ones((T, T), bool), k=1)
-    assert (size[future] == 0).all()
-    assert (size[~future] > 0).all()
+    # position i reads j ≤ i; through n_layer windows of w (local), only i − j ≤ n_layer·(w − 1)
+    reach = T if cfg.window is None else cfg.n_layer * (cfg.window - 1)
+    distance = np.arange(T)[:, None] - np.arange(T)[None, :]
+    seen = (distance >= 0) & (distance <= reach)
+    assert (size[~seen] == 0).all()
+    assert (size[seen] > 0).all()
 
 
-def decode_step_by_step(cfg, params, x, prompt_length, max_length):
+def decode_step_by_step(cfg, params, x, prompt_length, max_length, compute=DEFAULT):
     """Prefill the prompt in one call, then feed the rest of x one position at a time."""
     cache = init_cache(cfg, x.shape[0], max_length)
-    logits, cache = forward(cfg, params, x[:, :prompt_length], cache)
+    logits, cache = forward(cfg, params, x[:, :prompt_length], cache, compute=compute)
     outputs = [logits]
     for t in range(prompt_length, x.shape[1]):
-        logits, cache = forward(cfg, params, x[:, t: t + 1], cache)
+        logits, cache = forward(cfg, params, x[:, t: t + 1], cache, compute=compute)
         outputs.append(logits)
     np.testing.assert_array_equal(np.asarray(cache.index), x.shape[1])
     return jnp.concatenate(outputs, axis=1)
@@ -176,12 +185,12 @@ def test_kv_cache_rows_at_different_positions(positions):
 
 @pytest.mark.parametrize("positions", ["learned", "alibi"])
 def test_xla_attention_equals_explicit(positions):
-    explicit, xla = tiny(positions=positions), tiny(positions=positions, attention="xla")
-    params = random_params(explicit)
-    x = tokens(explicit, 2, 9)
-    a, b = forward(explicit, params, x), forward(xla, params, x)
+    cfg, xla = tiny(positions=positions), ComputeConfig(kernel="xla")
+    params = random_params(cfg)
+    x = tokens(cfg, 2, 9)
+    a, b = forward(cfg, params, x), forward(cfg, params, x, compute=xla)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
-    cached = decode_step_by_step(xla, params, x, prompt_length=4, max_length=xla.block_size)
+    cached = decode_step_by_step(cfg, params, x, prompt_length=4, max_length=cfg.block_size, compute=xla)
     np.testing.assert_allclose(np.asarray(cached), np.asarray(a), atol=1e-5, rtol=1e-5)
 
 
@@ -189,17 +198,16 @@ def test_xla_attention_equals_explicit(positions):
 def test_blocked_attention_matches_float64_numpy_reference(positions):
     """150 positions = query blocks of 64, 64 and 22, each against the keys up to its end:
     the logits of the full causal attention (float64 NumPy) and the explicit model's gradients."""
-    blocked = tiny(positions=positions, attention="blocked", block_size=160)
-    explicit = blocked.replace(attention="explicit")
-    params = random_params(blocked)
-    x = tokens(blocked, 2, 150)
-    want = ref.gpt_forward(blocked, jax.device_get(params), np.asarray(x))
-    np.testing.assert_allclose(np.asarray(forward(blocked, params, x)), want, rtol=1e-4, atol=1e-4)
+    cfg, blocked = tiny(positions=positions, block_size=160), ComputeConfig(kernel="blocked")
+    params = random_params(cfg)
+    x = tokens(cfg, 2, 150)
+    want = ref.gpt_forward(cfg, jax.device_get(params), np.asarray(x))
+    np.testing.assert_allclose(np.asarray(forward(cfg, params, x, compute=blocked)), want, rtol=1e-4, atol=1e-4)
 
-    def grads(cfg):
-        return jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(GPT(cfg).apply({"params": p}, x)))))(params)
+    def grads(compute):
+        return jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(GPT(cfg, compute).apply({"params": p}, x)))))(params)
 
-    for got, expected in zip(jax.tree.leaves(grads(blocked)), jax.tree.leaves(grads(explicit)), strict=True):
+    for got, expected in zip(jax.tree.leaves(grads(blocked)), jax.tree.leaves(grads(ComputeConfig())), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
@@ -265,12 +273,12 @@ def test_jit_equals_eager():
 def test_bfloat16_compute_with_float32_params():
     """bf16 has an 8-bit mantissa (relative step 2^-8 ≈ 0.4%); through two layers the logits
     stay within 5% of the float32 logits' scale."""
-    cfg32, cfg16 = tiny(), tiny(dtype="bfloat16")
-    params = random_params(cfg32)
-    x = tokens(cfg32, 2, 9)
-    a, b = forward(cfg32, params, x), forward(cfg16, params, x)
+    cfg, bf16 = tiny(), ComputeConfig(dtype="bfloat16")
+    params = random_params(cfg)
+    x = tokens(cfg, 2, 9)
+    a, b = forward(cfg, params, x), forward(cfg, params, x, compute=bf16)
     assert b.dtype == jnp.float32  # logits are returned in float32 for the loss
-    init16 = init_params(cfg16)
+    init16 = jax.eval_shape(lambda: GPT(cfg, bf16).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(init16))
     assert float(jnp.abs(a - b).max()) <= 0.05 * float(jnp.abs(a).max())
 
@@ -302,13 +310,13 @@ def test_cache_longer_than_block_is_refused():
 def test_remat_gives_the_same_gradients(dropout):
     from jaxgpt.training import loss_fn
 
-    plain = tiny(dropout=dropout)
-    remat = plain.replace(remat=True)
-    params, x = random_params(plain), tokens(plain, 2, 12)
+    cfg = tiny(dropout=dropout)
+    params, x = random_params(cfg), tokens(cfg, 2, 12)
     key = jax.random.key(3) if dropout else None
 
-    def grads(cfg):
-        return jax.jit(jax.grad(lambda p: loss_fn(GPT(cfg), p, x, x, None, key)))(params)
+    def grads(compute):
+        return jax.jit(jax.grad(lambda p: loss_fn(GPT(cfg, compute), p, x, x, None, key)))(params)
 
-    for a, b in zip(jax.tree.leaves(grads(plain)), jax.tree.leaves(grads(remat)), strict=True):
+    for a, b in zip(jax.tree.leaves(grads(ComputeConfig())), jax.tree.leaves(grads(ComputeConfig(remat=True))),
+                    strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

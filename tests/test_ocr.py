@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from PIL import Image, ImageDraw, ImageFont
 
 from jaxgpt import data
-from jaxgpt.config import DataConfig
+from jaxgpt.config import OcrConfig
 from jaxgpt.data import DataError, ocr
 
 needs_tesseract = pytest.mark.skipif(
@@ -160,9 +160,9 @@ def test_a_mixed_pdf_gives_its_text_layer_and_its_scanned_page_in_order(tmp_path
     assert cer(second, INVOICE) <= 0.05, second
     assert len(engine_calls) == 1  # only the page without a text layer
 
-    (layer_only,) = documents(data.prepare(config(tmp_path, source=str(pdf), ocr="never")))
+    (layer_only,) = documents(data.prepare(config(tmp_path, source=str(pdf), ocr={"mode": "never"})))
     assert layer_only.strip() == layer
-    (everything,) = documents(data.prepare(config(tmp_path, source=str(pdf), ocr="always")))
+    (everything,) = documents(data.prepare(config(tmp_path, source=str(pdf), ocr={"mode": "always"})))
     assert len(engine_calls) == 2  # the text page now; the scanned one came from the cache
     assert cer(everything, [layer, *INVOICE]) <= 0.05, everything
 
@@ -197,12 +197,12 @@ def test_the_token_cache_fingerprint_follows_the_ocr_settings(tmp_path, fake_eng
     render(["x"]).save(tmp_path / "scan.png")
     source = str(tmp_path / "scan.png")
     directories = {data.prepare(config(tmp_path, source=source, **settings)).directory for settings in [
-        {}, {"ocr": "always"}, {"ocr_min_confidence": 50.0, "ocr_drop_low_confidence": True}]}
+        {}, {"ocr": {"mode": "always"}}, {"ocr": {"min_confidence": 50.0, "drop_low_confidence": True}}]}
     monkeypatch.setattr(ocr, "engine_version", lambda: "fake 2")
     directories.add(data.prepare(config(tmp_path, source=source)).directory)
     assert len(directories) == 4
     # a threshold that only lists files changes no document: the same cache
-    listed = data.prepare(config(tmp_path, source=source, ocr_min_confidence=50.0)).directory
+    listed = data.prepare(config(tmp_path, source=source, ocr={"min_confidence": 50.0})).directory
     assert listed in directories
 
 
@@ -225,8 +225,8 @@ def test_a_corrupt_image_is_a_warning_naming_it_or_a_one_line_error(tmp_path):
     good, notes = documents(corpus)
     assert cer(good, INVOICE) <= 0.05 and notes == "typed notes"
 
-    with pytest.raises(DataError, match=r"noise\.jpg.*on_bad_file='warn'") as raised:
-        data.prepare(config(tmp_path, source=str(root), on_bad_file="error"))
+    with pytest.raises(DataError, match=r"noise\.jpg.*data\.files\.on_bad_file='warn'") as raised:
+        data.prepare(config(tmp_path, source=str(root), files={"on_bad_file": "error"}))
     assert "\n" not in str(raised.value)
 
 
@@ -243,11 +243,11 @@ def test_without_the_engine_an_image_source_is_a_one_line_error_saying_what_to_i
     assert "\n" not in str(raised.value)
     with pytest.raises(DataError, match="apt-get install tesseract-ocr"):
         data.prepare(config(tmp_path, source=str(root / "scanned.pdf")))
-    # a PDF with a text layer needs no engine; under ocr='never' an image is a binary file
+    # a PDF with a text layer needs no engine; under ocr.mode='never' an image is a binary file
     (typed,) = documents(data.prepare(config(tmp_path, source=str(root / "typed.pdf"))))
     assert typed.strip() == "A typed page needs no OCR."
     with pytest.warns(UserWarning, match="skipped 1 binary file"):
-        data.prepare(config(tmp_path, source=str(root), ocr="never"))
+        data.prepare(config(tmp_path, source=str(root), ocr={"mode": "never"}))
 
 
 def test_without_the_ocr_extra_the_error_says_which_extra(tmp_path, monkeypatch):
@@ -272,12 +272,12 @@ def test_low_confidence_files_are_listed_and_dropped_when_asked(tmp_path, fake_e
     Image.new("L", (40, 30), 255).save(root / "blurry.png")  # the fake engine: confidence 40
     Image.new("L", (90, 30), 255).save(root / "sharp.png")  # confidence 90
     with pytest.warns(UserWarning, match=r"1 file\(s\) have a mean OCR confidence below") as caught:
-        kept = data.prepare(config(tmp_path, source=str(root), ocr_min_confidence=60))
+        kept = data.prepare(config(tmp_path, source=str(root), ocr={"min_confidence": 60}))
     assert "blurry.png (40.0)" in str(caught[0].message) and "sharp.png" not in str(caught[0].message)
     assert documents(kept) == ["width 40", "width 90"]
     with pytest.warns(UserWarning, match="dropped them"):
-        dropped = data.prepare(config(tmp_path, source=str(root), ocr_min_confidence=60,
-                                      ocr_drop_low_confidence=True))
+        dropped = data.prepare(config(tmp_path, source=str(root), ocr={"min_confidence": 60,
+                                                                       "drop_low_confidence": True}))
     assert documents(dropped) == ["width 90"]
 
 
@@ -285,28 +285,28 @@ def test_low_confidence_files_are_listed_and_dropped_when_asked(tmp_path, fake_e
 def test_a_language_tesseract_lacks_names_the_package_to_install(tmp_path):
     render(["x"]).save(tmp_path / "scan.png")
     with pytest.raises(DataError, match="apt-get install tesseract-ocr-xyz"):
-        data.prepare(config(tmp_path, source=str(tmp_path / "scan.png"), ocr_lang="xyz"))
+        data.prepare(config(tmp_path, source=str(tmp_path / "scan.png"), ocr={"lang": "xyz"}))
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("ocr", "sometimes", "data.ocr='sometimes': must be 'auto', 'always' or 'never'"),
-    ("ocr_lang", "", "data.ocr_lang=''"),
-    ("ocr_lang", "eng deu", "joined by '\\+'"),
-    ("ocr_workers", 0, "data.ocr_workers=0: must be None or a positive integer"),
-    ("ocr_min_confidence", 101, r"data.ocr_min_confidence=101: must be None or a number in \[0, 100\]"),
-    ("ocr_min_confidence", "high", "data.ocr_min_confidence='high'"),
-    ("ocr_drop_low_confidence", "yes", "data.ocr_drop_low_confidence='yes': must be True or False"),
-    ("on_bad_file", "ignore", "data.on_bad_file='ignore': must be 'warn' or 'error'"),
+@pytest.mark.parametrize("section, key, value, message", [
+    ("ocr", "mode", "sometimes", "data.ocr.mode='sometimes': must be 'auto', 'always' or 'never'"),
+    ("ocr", "lang", "", "data.ocr.lang=''"),
+    ("ocr", "lang", "eng deu", "joined by '\\+'"),
+    ("ocr", "workers", 0, "data.ocr.workers=0: must be None or a positive integer"),
+    ("ocr", "min_confidence", 101, r"data.ocr.min_confidence=101: must be None or a number in \[0, 100\]"),
+    ("ocr", "min_confidence", "high", "data.ocr.min_confidence='high'"),
+    ("ocr", "drop_low_confidence", "yes", "data.ocr.drop_low_confidence='yes': must be True or False"),
+    ("files", "on_bad_file", "ignore", "data.files.on_bad_file='ignore': must be 'warn' or 'error'"),
 ])
-def test_bad_ocr_settings_are_one_line_errors(tmp_path, key, value, message):
+def test_bad_ocr_settings_are_one_line_errors(tmp_path, section, key, value, message):
     with pytest.raises(DataError, match=message) as raised:
-        data.prepare(config(tmp_path, **{key: value}))
+        data.prepare(config(tmp_path, **{section: {key: value}}))
     assert "\n" not in str(raised.value)
 
 
 def test_dropping_low_confidence_files_needs_a_threshold():
-    with pytest.raises(DataError, match="needs data.ocr_min_confidence"):
-        DataConfig(ocr_drop_low_confidence=True)
+    with pytest.raises(DataError, match="needs data.ocr.min_confidence"):
+        OcrConfig(drop_low_confidence=True)
 
 
 def test_tesseract_tsv_becomes_lines_and_paragraphs_with_the_mean_word_confidence():

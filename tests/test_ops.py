@@ -177,38 +177,54 @@ def test_dropout_zeroes_a_fraction_p_and_scales_the_rest(rate):
     np.testing.assert_array_equal(np.asarray(ops.dropout(x, 0.0, jax.random.key(0))), 1.0)
 
 
-def test_hash_bits_are_uniform_and_uncorrelated():
-    """Each of the 32 bits is 1 half the time; neighbours along every axis, and the same
-    element under another key, are uncorrelated (all within 5 standard errors)."""
+def test_dropout_masks_are_uncorrelated_along_every_axis_and_across_keys():
+    """Neighbours along every axis, and the same element under another key, are dropped
+    independently (correlations within 5 standard errors of 0)."""
     import jax
 
-    bits = np.asarray(ops.hash_bits(jax.random.key(3), (16, 8, 32, 32)), np.uint64)
-    n = bits.size
-    ones = np.stack([(bits >> b) & 1 for b in range(32)]).reshape(32, -1).mean(axis=1)
-    assert np.abs(ones - 0.5).max() < 5 * math.sqrt(0.25 / n)
-    u = bits / 2.0**32  # uniform on [0, 1): mean ½, variance 1/12
-    assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / n)
-    for axis in range(u.ndim):
-        a, b = np.moveaxis(u, axis, 0)[:-1].ravel(), np.moveaxis(u, axis, 0)[1:].ravel()
+    x = jnp.ones((16, 8, 32, 32))
+    kept = np.asarray(ops.dropout(x, 0.5, jax.random.key(3))) != 0
+    n = kept.size
+    assert abs(kept.mean() - 0.5) < 5 * math.sqrt(0.25 / n)
+    for axis in range(kept.ndim):
+        a, b = np.moveaxis(kept, axis, 0)[:-1].ravel(), np.moveaxis(kept, axis, 0)[1:].ravel()
         assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(a.size), axis
-    other = np.asarray(ops.hash_bits(jax.random.key(4), u.shape), np.uint64) / 2.0**32
-    assert abs(np.corrcoef(u.ravel(), other.ravel())[0, 1]) < 5 / math.sqrt(n)
-    counts = np.bincount((bits >> 24).ravel().astype(np.int64), minlength=256)  # the top byte
-    chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum()
-    assert chi2 < 255 + 5 * math.sqrt(2 * 255)
+    other = np.asarray(ops.dropout(x, 0.5, jax.random.key(4))) != 0
+    assert abs(np.corrcoef(kept.ravel(), other.ravel())[0, 1]) < 5 / math.sqrt(n)
 
 
-def test_hash_bits_depend_on_the_index_only():
-    """bits[i, r] is a function of the key, i and the row-major index r within the rest only."""
-    import jax
+DROPOUT_ON_EIGHT_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxgpt import ops
+x = jnp.arange(1.0, 1.0 + 16 * 8 * 32).reshape(16, 8, 32)
+key = jax.random.key(7)
+drop = jax.jit(lambda x, key: ops.dropout(x, 0.3, key))
+whole = np.asarray(drop(x, key))
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+for spec in (P("a", None, "b"), P(None, ("a", "b"), None), P(None, None, ("a", "b"))):
+    sharded = jax.device_put(x, NamedSharding(mesh, spec))
+    np.testing.assert_array_equal(np.asarray(drop(sharded, key)), whole)
+    program = drop.lower(sharded, key).compile().as_text()
+    collectives = [op for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute") if op in program]
+    assert not collectives, (spec, collectives)
+print("ok")
+"""
 
-    key = jax.random.key(0)
-    whole = np.asarray(ops.hash_bits(key, (6, 4, 5)))
-    np.testing.assert_array_equal(whole.reshape(6, 20), np.asarray(ops.hash_bits(key, (6, 20))))
-    np.testing.assert_array_equal(whole[0].ravel(), np.asarray(ops.hash_bits(key, (20,))))
-    assert len(np.unique(whole)) == whole.size  # distinct indices, distinct words (here)
-    with pytest.raises(ValueError, match="2\\^32 or more; split the array"):
-        ops.hash_bits(key, (2, 2**16, 2**16))
+
+def test_dropout_mask_is_the_same_sharded_over_eight_devices_and_drawn_shard_by_shard():
+    """On 8 fake CPU devices, x sharded three ways gets the mask it gets on one device, and
+    the compiled program has no collective: each device draws the bits of its own shard."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", DROPOUT_ON_EIGHT_DEVICES], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("shape", [(7, 5), (2, 6, 8)])
@@ -223,3 +239,94 @@ def test_linear_and_its_gradients(rng, shape):
     dx, dw = jax.grad(lambda x, w: (ops.linear(x, w) * f32(g)).sum(), argnums=(0, 1))(f32(x), f32(w))
     np.testing.assert_allclose(np.asarray(dx), g @ w.T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(dw), x.reshape(-1, shape[-1]).T @ g.reshape(-1, 3), rtol=1e-5, atol=1e-5)
+
+
+# (lhs shape, rhs shape, dimension numbers): the plain contractions y = x W that a CPU
+# computes with its own gradient, and others that go to jax.lax.dot_general everywhere
+DOT_GENERAL_CASES = [
+    ((2, 6, 8), (8, 3), (((2,), (0,)), ((), ())), True),
+    ((2, 3, 4, 5), (4, 5, 6), (((2, 3), (0, 1)), ((), ())), True),
+    ((5, 4), (4, 2, 3), (((1,), (0,)), ((), ())), True),
+    ((6, 8), (3, 8), (((1,), (1,)), ((), ())), False),
+    ((3, 4, 5), (5, 4, 2), (((2, 1), (0, 1)), ((), ())), False),
+    ((2, 6, 8), (2, 8, 3), (((2,), (1,)), ((0,), (0,))), False),
+]
+
+
+@pytest.mark.parametrize(("lhs_shape", "rhs_shape", "dims", "plain"), DOT_GENERAL_CASES)
+def test_dot_general_and_its_gradients_equal_lax_dot_general_in_float64(rng, lhs_shape, rhs_shape, dims, plain):
+    import jax
+
+    with jax.enable_x64(True):
+        lhs, rhs = jnp.asarray(rng.standard_normal(lhs_shape)), jnp.asarray(rng.standard_normal(rhs_shape))
+        want = jax.lax.dot_general(lhs, rhs, dims)
+        g = jnp.asarray(rng.standard_normal(want.shape))
+
+        def loss(dot):
+            return lambda lhs, rhs: (dot(lhs, rhs, dims) * g).sum()
+
+        got = ops.dot_general(lhs, rhs, dims)
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
+        grad = jax.jit(jax.grad(loss(ops.dot_general), argnums=(0, 1)))
+        for got_grad, want_grad in zip(grad(lhs, rhs), jax.grad(loss(jax.lax.dot_general), argnums=(0, 1))(lhs, rhs),
+                                       strict=True):
+            np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), rtol=1e-12, atol=1e-12)
+        assert ("optimization_barrier" in grad.lower(lhs, rhs).as_text()) == plain  # the CPU's gradient, or XLA's
+
+
+def test_dot_general_keeps_precision_and_the_preferred_element_type(rng):
+    """bfloat16 operands with a float32 result, as lax.dot_general gives them; the gradients
+    in the operands' dtype, within bfloat16 rounding of lax.dot_general's."""
+    import jax
+
+    lhs = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((16, 4)), jnp.bfloat16)
+    dims = (((2,), (0,)), ((), ()))
+    options = dict(precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    got, want = ops.dot_general(lhs, rhs, dims, **options), jax.lax.dot_general(lhs, rhs, dims, **options)
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+    def grads(dot):
+        return jax.grad(lambda lhs, rhs: dot(lhs, rhs, dims, **options).sum(), argnums=(0, 1))(lhs, rhs)
+
+    for got_grad, want_grad in zip(grads(ops.dot_general), grads(jax.lax.dot_general), strict=True):
+        assert got_grad.dtype == want_grad.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got_grad, np.float32), np.asarray(want_grad, np.float32), rtol=1e-2,
+                                   atol=1e-2)
+
+
+def test_flax_dense_general_computes_with_dot_general(rng):
+    """nn.DenseGeneral(dot_general=ops.dot_general) over two input axes: the outputs and
+    gradients of Flax's own."""
+    import flax.linen as nn
+    import jax
+
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 5)), jnp.float32)
+    ours, flax_own = (nn.DenseGeneral((2, 3), axis=(-2, -1), dot_general=dot) for dot in (ops.dot_general, None))
+    params = flax_own.init(jax.random.key(0), x)
+
+    def loss(module):
+        return lambda params, x: jnp.sin(module.apply(params, x)).sum()
+
+    np.testing.assert_allclose(np.asarray(ours.apply(params, x)), np.asarray(flax_own.apply(params, x)), rtol=1e-6,
+                               atol=1e-6)
+    ours_grad = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))
+    for got, want in zip(jax.tree.leaves(ours_grad(params, x)),
+                         jax.tree.leaves(jax.grad(loss(flax_own), argnums=(0, 1))(params, x)), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert "optimization_barrier" in ours_grad.lower(params, x).as_text()  # the CPU's own gradient ran
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu"])
+def test_dot_general_has_its_cpu_gradient_only_in_a_program_lowered_for_a_cpu(platform):
+    """The barrier of the CPU's gradient is in the CPU's program only; a GPU's or TPU's,
+    lowered here on a CPU host, is XLA's own dot_general and gradient."""
+    import jax
+
+    x, w = jnp.ones((2, 6, 8)), jnp.ones((8, 3))
+    step = jax.jit(jax.value_and_grad(lambda x, w: jnp.tanh(ops.linear(x, w)).sum(), argnums=(0, 1)))
+    program = step.trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.dot_general" in program
+    assert ("optimization_barrier" in program) == (platform == "cpu")

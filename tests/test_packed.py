@@ -10,8 +10,8 @@ import pytest
 import reference
 
 from jaxgpt import ops
-from jaxgpt.caches import init_cache
-from jaxgpt.config import GPTConfig
+from jaxgpt.attention import init_cache
+from jaxgpt.config import ComputeConfig, GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.training import TrainState, loss_fn, make_train_step
 
@@ -47,23 +47,23 @@ def assert_each_example_alone(cfg, params, packed, examples):
         start += len(example)
 
 
-@pytest.mark.parametrize("attention", ["explicit", "xla"])
+@pytest.mark.parametrize("kernel", ["explicit", "xla"])
 @pytest.mark.parametrize("positions", ["learned", "sinusoidal", "rope", "alibi", "none"])
-def test_packed_logits_equal_each_example_alone(positions, attention):
-    cfg = tiny(positions=positions, attention=attention)
+def test_packed_logits_equal_each_example_alone(positions, kernel):
+    cfg = tiny(positions=positions)
     params = init(cfg)
     (tokens, pos, seg), examples = packed_row(LENGTHS, cfg.block_size, np.random.default_rng(1))
-    packed = GPT(cfg).apply({"params": params}, tokens, positions=pos, segments=seg)
+    packed = GPT(cfg, ComputeConfig(kernel=kernel)).apply({"params": params}, tokens, positions=pos, segments=seg)
     assert_each_example_alone(cfg, params, packed, examples)
 
 
 @pytest.mark.parametrize("positions", ["rope", "alibi"])
 def test_blocked_attention_keeps_examples_apart(positions):
     """Rows longer than a query block (64) take the blocked path; examples straddle its blocks."""
-    cfg = tiny(positions=positions, attention="blocked", block_size=80)
+    cfg = tiny(positions=positions, block_size=80)
     params = init(cfg)
     (tokens, pos, seg), examples = packed_row((30, 41, 6), cfg.block_size, np.random.default_rng(2))
-    packed = GPT(cfg).apply({"params": params}, tokens, positions=pos, segments=seg)
+    packed = GPT(cfg, ComputeConfig(kernel="blocked")).apply({"params": params}, tokens, positions=pos, segments=seg)
     assert_each_example_alone(cfg, params, packed, examples)
 
 

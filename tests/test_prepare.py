@@ -259,7 +259,7 @@ def test_the_tokenizer_learns_from_the_first_train_documents_up_to_the_sample_si
 
 def test_prepare_command_prepares_the_data_of_a_config_and_prints_where(tmp_path, corpus_dir):
     cache = tmp_path / "cache"
-    done = subprocess.run([sys.executable, "-m", "jaxgpt.data.prepare", f"--config={ROOT / 'configs/default.py'}",
+    done = subprocess.run([sys.executable, "-m", "jaxgpt.data", f"--config={ROOT / 'configs/default.py'}",
                            f"--config.data.source={corpus_dir}", f"--config.data.cache_dir={cache}",
                            "--config.data.tokenizer=char", "--config.data.workers=1"],
                           capture_output=True, timeout=120, cwd=tmp_path)
@@ -271,7 +271,7 @@ def test_prepare_command_prepares_the_data_of_a_config_and_prints_where(tmp_path
     for split in ("train", "val"):
         assert f"{split}: {corpus.meta['splits'][split]['tokens']:,} tokens" in out
     assert "documents" in done.stderr.decode() and "B/s" in done.stderr.decode()  # the progress bar
-    wrong = subprocess.run([sys.executable, "-m", "jaxgpt.data.prepare", "--config.data.sourc=x"],
+    wrong = subprocess.run([sys.executable, "-m", "jaxgpt.data", "--config.data.sourc=x"],
                            capture_output=True, timeout=120, cwd=tmp_path)
     assert wrong.returncode == 2 and wrong.stderr.decode().strip() == "prepare: no key 'data.sourc'; did you mean " \
                                                                       "'data.source'?"
@@ -337,6 +337,6 @@ def test_a_directory_of_gpt2_files_is_a_tokenizer(tmp_path, corpus_dir):
 def test_an_encoding_worker_imports_no_jax():
     """What a spawned worker imports (the encoder and the tokenizers) leaves JAX out: a worker
     costs the tokenizer's memory, not JAX's."""
-    probe = "import sys, jaxgpt.data.encode, jaxgpt.data.prepare; print('jax' in sys.modules)"
+    probe = "import sys, jaxgpt.data.encode; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -24,3 +24,15 @@ def test_ci_runs_the_readme_install_and_test_command():
     assert install.replace("pip install", "pip install -q") in ci
     assert "python -m pytest -q" in ci
     assert (ROOT / "train.py").exists()
+
+
+def test_every_data_key_the_readme_names_is_a_key():
+    """`data.files.text_field`, `--config.data.workers`, …: a key that moves cannot stay behind in the README."""
+    import re
+
+    from jaxgpt.config import default_config, unknown_key
+
+    config = default_config()
+    named = set(re.findall(r"(?:`|--config\.)(data(?:\.[a-z_]+)+)", (ROOT / "README.md").read_text()))
+    missing = [f"{key} ({unknown_key(config, key)})" for key in sorted(named) if unknown_key(config, key)]
+    assert "data.ocr.lang" in named and not missing, missing

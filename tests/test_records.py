@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxgpt import data
-from jaxgpt.config import DataConfig, default_config
+from jaxgpt.config import DataConfig, RecordsConfig, default_config
 from jaxgpt.data import packing, records
 from jaxgpt.errors import DataError
 
@@ -17,7 +17,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def forms(**settings):
-    return records.templates(DataConfig(format="records", **settings))
+    return records.templates(RecordsConfig(**settings))
 
 
 def record(fields, where="r.jsonl:1"):
@@ -93,19 +93,20 @@ def test_csv_tsv_json_array_and_json_table_give_the_same_records(tmp_path):
 # --- bad input: one line naming file and line, the cache untouched ----------------------------------
 
 
-def prepare_records(tmp_path, text, name="r.jsonl", **settings):
+def prepare_records(tmp_path, text, name="r.jsonl", templates=None, **settings):
     path = tmp_path / name
     path.write_text(text)
     cfg = default_config().data
-    cfg.update({"source": str(path), "format": "records", "template": "qa", "tokenizer": "char",
-                "cache_dir": str(tmp_path / "cache"), **settings})
+    cfg.update({"source": str(path), "format": "records", "tokenizer": "char", "cache_dir": str(tmp_path / "cache"),
+                **settings})
+    cfg.records.update({"template": "qa", **(templates or {})})
     return data.prepare(cfg)
 
 
 GOOD = '{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n{"question": "3+3", "answer": "6"}\n'
 
 
-@pytest.mark.parametrize("text, name, settings, message", [
+@pytest.mark.parametrize("text, name, templates, message", [
     ('{"question": "1+1", "answer": "2"}\n{"question": "2+2"}\n', "r.jsonl", {},
      r"r.jsonl:2 has no field 'answer', which the template needs"),
     ('{"question": "1+1", "answer": "2"}\n', "r.jsonl", {"template": None, "prompt_template": "{questoin}",
@@ -118,21 +119,23 @@ GOOD = '{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": "4"}\n
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', "r.jsonl", {"template": "chat"},
      r"r.jsonl:1 is a chat without an assistant turn"),
     ("some text\n", "r.txt", {}, r"r.txt is not a records file"),
-    (GOOD, "r.jsonl", {"template": "nope"}, r"data.template='nope' is not a preset"),
+    (GOOD, "r.jsonl", {"template": "nope"}, r"data.records.template='nope' is not a preset"),
+    (GOOD, "r.jsonl", {"template": None}, r"data.format='records' needs data.records.template"),
 ])
-def test_bad_records_are_one_line_errors_and_leave_no_cache(tmp_path, text, name, settings, message):
+def test_bad_records_are_one_line_errors_and_leave_no_cache(tmp_path, text, name, templates, message):
     with pytest.raises(DataError, match=message) as error:
-        prepare_records(tmp_path, text, name, **settings)
+        prepare_records(tmp_path, text, name, templates)
     assert "\n" not in str(error.value)
     assert not list((tmp_path / "cache").glob("*/meta.json"))  # no corpus was published
     assert not list((tmp_path / "cache").glob(".*.partial"))  # and no partial one left behind
 
 
-@pytest.mark.parametrize("key, value", [("format", "table"), ("loss_on", "prompt"), ("truncate", "drop"),
-                                        ("packing", "bins")])
+@pytest.mark.parametrize("key, value", [("format", "table"), ("records.loss_on", "prompt"),
+                                        ("records.truncate", "drop"), ("records.packing", "bins")])
 def test_unknown_setting_values_are_one_line_errors(key, value):
+    section, _, name = key.rpartition(".")
     with pytest.raises(DataError, match=f"data.{key}={value!r}: must be"):
-        DataConfig(**{key: value})
+        DataConfig.from_mapping({section: {name: value}} if section else {key: value})
 
 
 # --- the cache and packing ------------------------------------------------------------------------------
@@ -140,8 +143,9 @@ def test_unknown_setting_values_are_one_line_errors(key, value):
 
 def addition_corpus(tmp_path, count=40, **settings):
     cfg = default_config().data
-    cfg.update(source=f"generated:addition:{count}", format="records", template="qa", tokenizer="char",
+    cfg.update(source=f"generated:addition:{count}", format="records", tokenizer="char",
                cache_dir=str(tmp_path / "cache"), val_fraction=0.1, **settings)
+    cfg.records.template = "qa"
     return data.prepare(cfg)
 
 
@@ -201,6 +205,9 @@ def test_packed_batches_are_a_pure_function_of_seed_and_step_and_visit_every_row
                            for s in range(rows)])
     every_row = np.concatenate([packing.eval_rows(examples, layout, r, batch_size=1)[0] for r in range(rows)])
     assert sorted(map(bytes, seen.astype(np.int32))) == sorted(map(bytes, every_row.astype(np.int32)))
+    next_epoch = np.concatenate([packing.packed_batch(examples, layout, seed=3, step=s, batch_size=1, rows=(0, 1))[0]
+                                 for s in range(rows, 2 * rows)])
+    assert sorted(map(bytes, next_epoch)) == sorted(map(bytes, seen)) and not np.array_equal(next_epoch, seen)
 
 
 def test_a_batch_row_matches_its_examples(tmp_path):
@@ -247,8 +254,9 @@ def test_long_examples_are_truncated_or_refused_naming_the_record(tmp_path):
 
 def records_run_config(tmp_path, run, **changes):
     config = default_config()
-    config.data.update(source="generated:addition:80", format="records", template="qa", tokenizer="char",
-                       val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    config.data.update(source="generated:addition:80", format="records", tokenizer="char", val_fraction=0.1,
+                       cache_dir=str(tmp_path / "cache"))
+    config.data.records.template = "qa"
     config.model.update(n_layer=1, n_head=2, d_model=16, block_size=32)
     config.train.update(steps=6, batch_size=4, eval_batch_size=4, warmup_steps=1, decay_steps=12, eval_every=3,
                         ckpt_every=3, log_every=1, peak_flops=1e9, grad_accum=2)

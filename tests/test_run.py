@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import GPTConfig, sharding
+from jaxgpt import ComputeConfig, GPTConfig, sharding
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -63,14 +63,18 @@ def cli_args(tmp_path, corpus, run="run", **changes):
 
 def final_params(run_dir, step=None):
     from jaxgpt.checkpoint import Checkpoints
-    from jaxgpt.model import GPT
+    from jaxgpt.model import GPT, layers_as
+    from jaxgpt.rundir import saved_compute
 
-    cfg = GPTConfig.from_dict(json.loads((Path(run_dir) / "config.json").read_text())["model"])
-    abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    written = saved_compute(saved)  # the layout and dtype its checkpoints hold
+    model = GPT(GPTConfig.from_dict(saved["model"]), ComputeConfig(param_dtype=written.param_dtype,
+                                                                  scan_layers=written.scan_layers))
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
     checkpoints = Checkpoints(run_dir, read_only=True)
     params, _ = checkpoints.restore_params(abstract, step=step if step is not None else checkpoints.steps()[-1])
     checkpoints.close()
-    return params
+    return layers_as(params, False)
 
 
 def assert_trees_close(a, b, atol):
@@ -284,10 +288,12 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, corpus):
 
 def test_run_directory_written_before_the_restructure_samples_and_resumes(tmp_path, corpus, capsys):
     """tests/data/run_v0 was written by train.py at commit aadd5cf, before the loop moved into
-    jaxgpt.run and data and sampling were split: configs/default.py with TINY_OVERRIDES and train.steps=3 on
-    write_corpus's text, one CPU device (the three steps' config.json, tokenizer.json,
-    checkpoint and metrics, as they were). Today's code samples from it, and resumes it to
-    step 6 where an uninterrupted run of today's code ends."""
+    jaxgpt.run and data and sampling were split, and before a model's identity and its compute
+    settings were: configs/default.py with TINY_OVERRIDES and train.steps=3 on write_corpus's
+    text, one CPU device (the three steps' config.json, tokenizer.json, checkpoint and metrics,
+    as they were). Today's code samples from it, and resumes it at step 3 to step 6 from its
+    restored state. (Its batches were drawn by a generator since replaced, so its steps 1–3
+    cannot be compared with a run of today's code; run_v1's can.)"""
     from scripts import load_script
 
     from jaxgpt.run import load_run, train
@@ -302,12 +308,34 @@ def test_run_directory_written_before_the_restructure_samples_and_resumes(tmp_pa
     assert status == 0, err
     assert out.startswith("The king") and len(out) > len("The king\n")
 
+    before = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()]
     resumed = train(tiny_config(tmp_path, corpus, "old", preset="default", **{"mesh.cpu_devices": 0}))
+    assert resumed["step"] == 6
+    records = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # resumed at 3, not started again
+    assert resumed["val_loss"] < before[-1]["val_loss"]  # it went on learning from the restored state
+
+
+def test_run_directory_written_by_todays_code_resumes_where_an_uninterrupted_run_ends(tmp_path, corpus, capsys):
+    """tests/data/run_v1 was written by this version's train.py (tests/data/make_run_v1.py: the
+    split model and compute sections, the data sources' own sections, per-tensor sums in the
+    checkpoint's metadata). It samples, and resumes at step 3 to step 6 exactly where an
+    uninterrupted run of today's code ends."""
+    from scripts import load_script
+
+    from jaxgpt.run import train
+
+    run = tmp_path / "v1"
+    shutil.copytree(TESTS / "data" / "run_v1", run)
+    status = load_script("sample.py").main(["--run_dir", str(run), "--prompt", "The king", "--max_new_tokens", "5",
+                                            "--temperature", "0"])
+    assert status == 0, capsys.readouterr().err
+    resumed = train(tiny_config(tmp_path, corpus, "v1", preset="default", **{"mesh.cpu_devices": 0}))
     fresh = train(tiny_config(tmp_path, corpus, "fresh", preset="default", **{"mesh.cpu_devices": 0}))
     assert resumed["step"] == fresh["step"] == 6
-    steps = [json.loads(line)["step"] for line in (old / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]  # resumed at 3, not started again
-    assert_trees_close(final_params(old), final_params(tmp_path / "fresh"), atol=1e-6)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert_trees_close(final_params(run), final_params(tmp_path / "fresh"), atol=1e-6)
     assert resumed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
 
 
@@ -636,7 +664,8 @@ def test_a_one_step_run_compiles_one_program_per_kind(tmp_path, corpus):
     assert out.returncode == 0, out.stderr[-3000:]
     compiled = Counter(_compiled(out.stderr))
     sampler = {"_row_keys": 1, "_generate_program": 1, "dynamic_slice": 1}  # the last drops the prompt bucket's padding
-    assert compiled == {"init": 1, "seeded_step": 1, "step": 1, **sampler}, compiled
+    checksums = {"_device_checksums": 2}  # of the state when it is saved, of the params restored to sample
+    assert compiled == {"init": 1, "seeded_step": 1, "step": 1, **sampler, **checksums}, compiled
     assert "MFU against a peak of 100 GFLOP/s" in out.stderr
     assert (tmp_path / "run" / "checkpoints" / "1").is_dir()
     # run again: the finished run is restored onto its shapes alone (no init) and has no step left to compile

@@ -1,4 +1,4 @@
-"""model.scan_layers: the blocks as one nn.scan over stacked params compute the loop's function:
+"""compute.scan_layers: the blocks as one nn.scan over stacked params compute the loop's function:
 the same logits, loss, gradients and KV-cache decode (within 1e-6) from the same params in the
 other layout, and the layouts convert both ways (params and the optimizer state)."""
 
@@ -10,52 +10,52 @@ import pytest
 from test_model import decode_step_by_step, forward, random_params, tiny, tokens
 from test_run import corpus  # noqa: F401, F811  (the fixture)
 
-from jaxgpt import GPT, ops
+from jaxgpt import GPT, ComputeConfig, ops
 from jaxgpt.model import layers_as, stack_layers, unstack_layers
 
-CASES = [  # 2 and 3 layers, every positions option, and linear attention, remat and GQA on the way
-    {"positions": "learned", "n_layer": 2, "remat": True, "n_head": 4, "n_kv_head": 2},
+CASES = [  # 2 and 3 layers, every positions option, linear and local attention, remat and GQA on the way
+    {"positions": "learned", "n_layer": 2, "n_head": 4, "n_kv_head": 2},
     {"positions": "sinusoidal", "n_layer": 3},
-    {"positions": "rope", "n_layer": 2},
+    {"positions": "rope", "n_layer": 2, "attention": "local", "window": 3},
     {"positions": "alibi", "n_layer": 3},
     {"positions": "none", "n_layer": 3, "attention": "linear"},
 ]
+SCAN = ComputeConfig(scan_layers=True)
 
 
 def close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
 
 
-def loss(cfg, params, x):
-    logits = GPT(cfg).apply({"params": params}, x[:, :-1])
+def loss(cfg, compute, params, x):
+    logits = GPT(cfg, compute).apply({"params": params}, x[:, :-1])
     return ops.cross_entropy(logits, x[:, 1:])
 
 
 @pytest.mark.parametrize("changes", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_scan_computes_the_loop(changes):
-    loop = tiny(**changes)
-    scan = loop.replace(scan_layers=True)
-    params = random_params(loop)
-    stacked = layers_as(params, scan)
-    x = tokens(loop, 2, 11)
-    close(forward(scan, stacked, x), forward(loop, params, x))
+    cfg = tiny(**changes)
+    loop, scan = ComputeConfig(remat=cfg.n_layer == 2), SCAN
+    params = random_params(cfg)
+    stacked = layers_as(params, True)
+    x = tokens(cfg, 2, 11)
+    close(forward(cfg, stacked, x, compute=scan), forward(cfg, params, x, compute=loop))
 
-    grad = lambda cfg, p: jax.jit(jax.value_and_grad(lambda q: loss(cfg, q, x)))(p)  # noqa: E731
+    grad = lambda compute, p: jax.jit(jax.value_and_grad(lambda q: loss(cfg, compute, q, x)))(p)  # noqa: E731
     (loop_loss, loop_grads), (scan_loss, scan_grads) = grad(loop, params), grad(scan, stacked)
     close(scan_loss, loop_loss)
     jax.tree.map(close, unstack_layers(scan_grads), loop_grads)
 
     for prompt_length in (5,):
-        close(decode_step_by_step(scan, stacked, x, prompt_length, loop.block_size),
-              decode_step_by_step(loop, params, x, prompt_length, loop.block_size))
+        close(decode_step_by_step(cfg, stacked, x, prompt_length, cfg.block_size, compute=scan),
+              decode_step_by_step(cfg, params, x, prompt_length, cfg.block_size, compute=loop))
 
 
 def test_scan_initialises_stacked_params_of_the_loops_shapes():
-    loop = tiny(n_layer=3)
-    scan = loop.replace(scan_layers=True)
-    init = jax.eval_shape(lambda: GPT(scan).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    cfg = tiny(n_layer=3)
+    init = jax.eval_shape(lambda: GPT(cfg, SCAN).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
     assert "h" in init and not any(key.startswith("h_") for key in init)
-    params = random_params(loop)
+    params = random_params(cfg)
     want = jax.eval_shape(lambda: stack_layers(params))
     assert jax.tree.map(lambda a: (a.shape, a.dtype), init) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
 
@@ -68,8 +68,7 @@ def test_layouts_convert_both_ways_params_and_optimizer_state():
     assert jax.tree.structure(stacked[0].mu) == jax.tree.structure(stack_layers(params))
     np.testing.assert_array_equal(stacked[0].mu["h"]["attn"]["c_attn"]["kernel"].shape[0], 3)
     jax.tree.map(np.testing.assert_array_equal, unstack_layers(stack_layers(params)), params)
-    jax.tree.map(np.testing.assert_array_equal, layers_as(layers_as(params, cfg.replace(scan_layers=True)), cfg),
-                 params)
+    jax.tree.map(np.testing.assert_array_equal, layers_as(layers_as(params, True), False), params)
 
 
 def test_stacked_blocks_shard_as_the_loops_with_the_layer_axis_whole():
@@ -92,17 +91,18 @@ def test_stacked_blocks_shard_as_the_loops_with_the_layer_axis_whole():
     assert specs >= 4  # the rules did place the matrices
 
 
-def test_a_scanned_run_resumes_and_refuses_the_other_layout(tmp_path, corpus):  # noqa: F811
+def test_a_scanned_run_resumes_in_either_layout(tmp_path, corpus):  # noqa: F811
+    """Stacked checkpoints resume stacked, and (a compute setting like any other) per layer."""
     from test_run import assert_trees_close, final_params, tiny_config
 
-    from jaxgpt.errors import TrainingError
     from jaxgpt.run import train
 
-    scanned = {"model.scan_layers": True, "model.n_layer": 2}
+    scanned = {"compute.scan_layers": True, "model.n_layer": 2}
     train(tiny_config(tmp_path, corpus, "split", **scanned, **{"train.steps": 3}))
-    resumed = train(tiny_config(tmp_path, corpus, "split", **scanned))
-    whole = train(tiny_config(tmp_path, corpus, "whole", **scanned))
-    assert resumed["step"] == whole["step"] == 6
+    resumed = train(tiny_config(tmp_path, corpus, "split", **scanned, **{"train.steps": 5}))
+    whole = train(tiny_config(tmp_path, corpus, "whole", **scanned, **{"train.steps": 8}))
+    assert resumed["step"] == 5
+    per_layer = train(tiny_config(tmp_path, corpus, "split", **{**scanned, "compute.scan_layers": False,
+                                                                  "train.steps": 8}))
+    assert per_layer["step"] == whole["step"] == 8
     assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-6)
-    with pytest.raises(TrainingError, match=r"checkpoints hold the blocks stacked \(model.scan_layers=True\)"):
-        train(tiny_config(tmp_path, corpus, "split", **{**scanned, "model.scan_layers": False, "train.steps": 8}))

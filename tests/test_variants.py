@@ -16,14 +16,15 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from test_model import decode_step_by_step, forward, init_params, random_params, tiny, tokens
 
-from jaxgpt import GPT, GPTConfig, flops_per_token, init_cache
+from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache
 from jaxgpt.sharding import leaf_spec
 
 CACHED = [
     {"n_head": 4, "n_kv_head": 2},
     {"n_head": 4, "n_kv_head": 1, "positions": "rope"},
     {"n_head": 4, "n_kv_head": 2, "positions": "alibi"},
-    {"n_head": 4, "n_kv_head": 1, "attention": "xla"},
+    {"n_head": 4, "n_kv_head": 1, "kernel": "xla"},  # a compute setting: the fused kernel
+    {"n_head": 4, "n_kv_head": 2, "attention": "local", "window": 3},
     {"head_dim": 12, "positions": "rope"},
     {"logits_bias": True},
     {"ffn_layers": 3, "activation": "silu"},
@@ -39,12 +40,14 @@ def name(changes):
 
 @pytest.mark.parametrize("changes", CACHED, ids=name)
 def test_kv_cache_reproduces_full_forward(changes):
+    changes = dict(changes)
+    compute = ComputeConfig(kernel=changes.pop("kernel", "explicit"))
     cfg = tiny(**changes)
     params = random_params(cfg)
     x = tokens(cfg, 2, 11)
     full = forward(cfg, params, x)
     for prompt_length in (1, 5):
-        cached = decode_step_by_step(cfg, params, x, prompt_length, max_length=cfg.block_size)
+        cached = decode_step_by_step(cfg, params, x, prompt_length, max_length=cfg.block_size, compute=compute)
         np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=1e-5)
 
 

@@ -50,13 +50,14 @@ def assert_picture(path: Path, min_height: int = 200) -> None:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A tiny run directory as training writes it, whose model uses the fused attention
-    kernel: its attention weights exist only when viz forces the explicit form."""
+    kernel (written in its compute section, as training writes it): its attention weights
+    exist only when viz runs the explicit kernel."""
     path = tmp_path_factory.mktemp("viz") / "run"
     path.mkdir()
     tokenizer = tokenizers.train_tokenizer("char", [TEXT])
-    cfg = tiny(attention="xla")
+    cfg = tiny()
     assert tokenizer.vocab_size == cfg.vocab_size
-    (path / "config.json").write_text(json.dumps({"model": cfg.to_dict()}))
+    (path / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "compute": {"kernel": "xla"}}))
     tokenizer.save(path / "tokenizer.json")
     checkpoints = Checkpoints(path)
     checkpoints.save(4, {"step": jnp.int32(4), "params": random_params(cfg), "opt_state": ()})
@@ -105,9 +106,9 @@ def recomputed_attention(cfg, params, tokens, layer):
     return softmax64(scores)
 
 
-# The fused kernel ('xla') never materialises the weights: attention_maps must still give them.
-@pytest.mark.parametrize("changes", [{"attention": "xla"}, {"positions": "alibi"}],
-                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+# attention_maps runs the explicit kernel whatever the run ran with (run_dir: the fused 'xla').
+@pytest.mark.parametrize("changes", [{}, {"positions": "alibi"}],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_attention_maps_are_the_models_own_weights(changes):
     """For a prompt 3 tokens longer than the context: the maps are over its last block_size tokens."""
     cfg = tiny(**changes)

@@ -10,11 +10,13 @@
 
 One module per stage, each importing only those before it:
 
-    sources.py     files, directories, globs, JSONL, PDF and the standard library as documents
+    sources/       the registry of source kinds, picked by the scheme of data.source, each
+                   with its own config section: files, directories, globs, JSONL, PDF,
+                   images by OCR (ocr.py), stdlib; tfds:; hf:; generated:
     tfds_local.py  a TFDS builder that turns your own files into a dataset
-    tfds.py        tfds:NAME[:SPLIT] as a source (ArrayRecord, no TensorFlow needed)
     records.py     .jsonl/.json/.csv/.tsv records → prompt/completion turns by templates
-    split.py       train/validation decided as documents stream past; the tokenizer's sample
+    split.py       what is read; train/validation decided as documents stream past; the
+                   tokenizer's sample
     encode.py      documents encoded by worker processes, in order
     shards.py      token shards: written .partial then renamed; read back as one array
     stream.py      a text corpus streamed into shards, resumably (progress.json checkpoints)
@@ -23,7 +25,7 @@ One module per stage, each importing only those before it:
     batches.py     training windows as a pure function of (seed, step); evaluation windows
     packing.py     examples packed into rows; their batches as a pure function of (seed, step)
     prefetch.py    DeviceBatches: batches made ahead and laid out on the devices
-    prepare.py     `python -m jaxgpt.data.prepare --config=…`: prepare without training
+    __main__.py    `python -m jaxgpt.data --config=…`: prepare without training
 
 The settings are config.data (jaxgpt.config.DataConfig). Bad input raises
 `FileNotFoundError` (a missing path) or `DataError` (a `ValueError`) with a one-line message
@@ -39,7 +41,8 @@ _EXPORTS = {
     **dict.fromkeys(("Examples", "encode_turns"), "jaxgpt.data.examples"),
     **dict.fromkeys(("Layout", "eval_rows", "num_eval_rows", "packed_batch", "plan"), "jaxgpt.data.packing"),
     **dict.fromkeys(("DeviceBatches", "process_rows"), "jaxgpt.data.prefetch"),
-    **dict.fromkeys(("DocumentReader", "list_files", "split_documents"), "jaxgpt.data.sources"),
+    **dict.fromkeys(("DocumentReader", "list_files"), "jaxgpt.data.sources"),
+    "split_documents": "jaxgpt.data.split",
     "DataError": "jaxgpt.errors",
 }
 __all__ = sorted(_EXPORTS)

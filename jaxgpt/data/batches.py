@@ -22,34 +22,28 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int, bl
     """(inputs, targets), int32 arrays (rows, block_size): windows of block_size + 1 tokens at
     random positions, inputs their first block_size tokens and targets their last.
 
-    Row r of step `step` starts at h(seed, step, r) mod (len(tokens) − block_size), h a
-    64-bit hash (SplitMix64's mixer), so the batch is a pure function of (seed, step) and
-    every row can be made on its own: `rows` (a slice or (start, stop) of 0..batch_size)
-    gives exactly those rows of the full batch.
+    The batch_size starts are drawn uniformly from 0 … len(tokens) − block_size − 1 by
+    `step_rng(seed, step)`, so the batch is a pure function of (seed, step); `rows` (a slice
+    or (start, stop) of 0..batch_size) gives exactly those rows of the full batch.
     """
-    _check_sizes(batch_size, block_size)
+    check_sizes(batch_size, block_size)
     if not (isinstance(step, (int, np.integer)) and step >= 0):
         raise DataError(f"step={step!r}: must be an integer ≥ 0")
     n_starts = len(tokens) - block_size  # window starts 0 … len − block_size − 1
     if n_starts < 1:
         raise DataError(f"the split has {len(tokens)} tokens, fewer than block_size + 1 = "
                         f"{block_size + 1}; use a smaller block_size or more text")
-    row_ids = np.arange(*_row_range(rows, batch_size), dtype=np.uint64)
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2⁶⁴ by design
-        key = _mix64(_mix64(np.uint64(int(seed) % 2**64)) + np.uint64(step))
-        starts = _mix64(key + row_ids * _GOLDEN_GAMMA) % np.uint64(n_starts)
-    windows = np.asarray(tokens[starts.astype(np.int64)[:, None] + np.arange(block_size + 1)])
+    first, last = row_range(rows, batch_size)
+    starts = step_rng(seed, step).integers(n_starts, size=batch_size)[first:last]
+    windows = np.asarray(tokens[starts[:, None] + np.arange(block_size + 1)])
     return windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32)
 
 
-_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment: 2⁶⁴ / golden ratio
-
-
-def _mix64(x):
-    """SplitMix64's finalizer: a bijection of uint64 whose outputs look independent."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+def step_rng(seed: int, step: int) -> np.random.Generator:
+    """The random numbers of (seed, step): NumPy's Philox keyed by the pair (each mod 2⁶⁴),
+    counter at 0, so every call with the same pair draws the same numbers and distinct pairs
+    draw independent ones."""
+    return np.random.Generator(np.random.Philox(key=[int(seed) % 2**64, int(step) % 2**64]))
 
 
 def num_eval_batches(num_tokens: int, *, batch_size: int, block_size: int,
@@ -72,13 +66,13 @@ def eval_batch(tokens: np.ndarray, index: int, *, batch_size: int, block_size: i
     exactly once. A window that runs past the end is padded with id 0 and the padding
     masked out; rows past the last window (in the last batch) are all padding.
     """
-    _check_sizes(batch_size, block_size)
+    check_sizes(batch_size, block_size)
     stride = _stride(stride, block_size)
     n = len(tokens)
     if n < 2:
         raise DataError(f"the split has {n} token(s); evaluation needs at least 2 (one input "
                         "and one target): raise data.val_fraction or give more text")
-    first, last = _row_range(rows, batch_size)
+    first, last = row_range(rows, batch_size)
     window = np.arange(index * batch_size + first, index * batch_size + last)
     starts = window * stride
     offsets = np.arange(block_size + 1)
@@ -119,14 +113,16 @@ def _stride(stride: int | None, block_size: int) -> int:
     return stride
 
 
-def _check_sizes(batch_size: Any, block_size: Any) -> None:
+def check_sizes(batch_size: Any, block_size: Any) -> None:
+    """A DataError unless batch_size and block_size are positive integers."""
     for name, value in (("batch_size", batch_size), ("block_size", block_size)):
         if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
                 and value > 0):
             raise DataError(f"{name}={value!r}: must be a positive integer")
 
 
-def _row_range(rows: slice | tuple[int, int] | None, batch_size: int) -> tuple[int, int]:
+def row_range(rows: slice | tuple[int, int] | None, batch_size: int) -> tuple[int, int]:
+    """(start, stop) of `rows` (a slice or pair within 0…batch_size; None: all of them)."""
     if rows is None:
         return 0, batch_size
     if isinstance(rows, slice):

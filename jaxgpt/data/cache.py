@@ -9,17 +9,17 @@ pass (jaxgpt.data.split), encoded by `data.workers` processes, and written as sh
 `<|eos|>` between consecutive documents of a split and none at either end; meta.json indexes
 them (file, tokens, checksum) and `Corpus.train`/`val` read them as one array. A records
 corpus is read in memory and written as `train.bin`/`val.bin` with its masks
-(jaxgpt.data.examples). The fingerprint hashes the source (file paths, sizes and
-modification times; a TFDS dataset's identity), the tokenizer (and, for one trained here, its
-sample's size) and every setting that changes the tokens, so a matching cache is reused and
-any change makes a new one.
+(jaxgpt.data.examples). The fingerprint hashes the source's identity (each kind gives its
+own: local files' paths, sizes and modification times; a TFDS dataset's name, split and
+preparation; …), the tokenizer (and, for one trained here, its sample's size) and every
+setting that changes the tokens, so a matching cache is reused and any change makes a new one.
 
 A build happens in the hidden directory `.<name>-<fingerprint>.partial`, renamed into place
 when complete, so nothing half-written is ever read as a cache. The builder holds an
-exclusive lock on the file `.lock` in it (the kernel's flock, released however the process
-ends): a second process preparing the same corpus waits for the first and then uses its
-cache; a build stopped in any way (Ctrl-C, kill -9) is resumed by the next one from its
-last finished shard (jaxgpt.data.stream).
+exclusive lock on the file `.lock` in it (jaxgpt.lock: the kernel's flock, released however
+the process ends): a second process preparing the same corpus waits for the first and then
+uses its cache; a build stopped in any way (Ctrl-C, kill -9) is resumed by the next one from
+its last finished shard (jaxgpt.data.stream).
 
 Integrity: meta.json records each file's BLAKE2b-128 checksum (`b2sum -l 128 FILE` prints
 the same), and every id is checked to lie within the tokenizer's vocabulary when the cache
@@ -31,9 +31,7 @@ is damaged: `open_corpus` refuses it, and `prepare` warns, deletes it and builds
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -44,7 +42,7 @@ import shutil
 import socket
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +53,12 @@ from jaxgpt.config import DataConfig
 from jaxgpt.data import records
 from jaxgpt.data.encode import UNGUARDED, WORKER_ENV
 from jaxgpt.data.examples import Examples, open_examples, write_examples
-from jaxgpt.data.generated import generated_file, is_generated
 from jaxgpt.data.shards import ShardedTokens, concatenated
-from jaxgpt.data.sources import Source, files_source, list_files, split_documents, stdlib_files
+from jaxgpt.data.sources import Source, record_files, resolve
+from jaxgpt.data.split import split_documents
 from jaxgpt.data.stream import Progress, ids_dtype, write_text
-from jaxgpt.data.tfds import tfds_source
 from jaxgpt.errors import DataError
+from jaxgpt.lock import LOCK_FILE, FileLock, describe
 from jaxgpt.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,6 @@ READABLE_VERSIONS = (2, 3)
 SPLITS = ("train", "val")
 CHECKSUM_BYTES = 16  # BLAKE2b-128: accidental damage goes unnoticed with probability 2⁻¹²⁸
 CHECK_CHUNK_BYTES = 1 << 20  # a token file is checked 1 MiB at a time, which stays in cache
-LOCK_FILE = ".lock"
 
 
 class DamagedCacheError(DataError):
@@ -138,8 +135,8 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None,
     settings = DataConfig.from_mapping(data_cfg)
     if tokenizer is None and settings.tokenizer not in tokenizers.KINDS:
         tokenizer = _load_tokenizer_file(settings.tokenizer)
-    source = resolve_source(settings.source, settings)
-    val_source = resolve_source(settings.val_source, settings) if settings.val_source else None
+    source = resolve(settings.source, settings)
+    val_source = resolve(settings.val_source, settings) if settings.val_source else None
     fingerprint = _fingerprint(settings, source, val_source, tokenizer)
     tokenizer_name = settings.tokenizer if tokenizer is None else f"{tokenizer.kind}{tokenizer.vocab_size}"
     name = re.sub(r"[^\w.-]+", "-", f"{source.name}-{tokenizer_name}")[:60]
@@ -170,7 +167,7 @@ def _fingerprint(settings: DataConfig, source: Source, val_source: Source | None
         tokenizer_identity = {"sha256": tokenizer_hash(tokenizer)}
     identity = {}
     if settings.format == "records":
-        identity["records"] = records.templates(settings).identity()
+        identity["records"] = records.templates(settings.records).identity()
     return _sha256(json.dumps({
         **identity,
         "format": [CACHE_FORMAT, CACHE_VERSION],
@@ -199,21 +196,6 @@ def tokenizer_hash(tokenizer: Tokenizer) -> str:
     """SHA-256 of a tokenizer's contents (its saved form, keys sorted): equal tokenizers have
     equal hashes, whatever file they were read from."""
     return _sha256(json.dumps(tokenizer.to_dict(), sort_keys=True, ensure_ascii=False).encode("utf-8"))
-
-
-def resolve_source(spec: str, settings: DataConfig) -> Source:
-    """The Source a data.source (or data.val_source) string names."""
-    if spec == "stdlib":
-        return files_source("stdlib", stdlib_files(), settings)
-    if spec.startswith("tfds:"):
-        return tfds_source(spec, settings)
-    if spec.startswith("hf:"):
-        from jaxgpt.data.hf import hf_source  # the hf extra's library is imported only when asked for
-
-        return hf_source(spec, settings)
-    if is_generated(spec):
-        return files_source(spec.replace(":", "-"), [generated_file(spec, settings.cache_path)], settings)
-    return files_source(Path(spec).name or spec, list_files(spec), settings)
 
 
 def open_corpus(directory: str | os.PathLike, tokenizer: Tokenizer | None = None) -> Corpus:
@@ -304,7 +286,7 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
     same fingerprint is resumed (text) or started again (records)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     partial = directory.parent / f".{directory.name}.partial"
-    with _build_lock(partial):
+    with FileLock(partial / LOCK_FILE, on_wait=lambda holder: _waiting(partial, holder)):
         if (directory / "meta.json").is_file():  # another process built it while this one waited
             shutil.rmtree(partial, ignore_errors=True)
             return
@@ -341,30 +323,10 @@ def _build(directory: Path, fingerprint: str, source: Source, val_source: Source
         (directory / LOCK_FILE).unlink()
 
 
-@contextlib.contextmanager
-def _build_lock(partial: Path) -> Iterator[None]:
-    """Hold the exclusive lock of the build directory `partial` (created if need be). A lock
-    taken on a file that was since renamed away (its build published) is let go and taken
-    again on a new one."""
-    while True:
-        partial.mkdir(exist_ok=True)
-        fd = os.open(partial / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another process that is preparing the same data in {partial}", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            current = os.stat(partial / LOCK_FILE).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
-        os.close(fd)
-    try:
-        yield
-    finally:
-        os.close(fd)  # the build directory stays, for the next build to resume
+def _waiting(partial: Path, holder: dict) -> None:
+    """Tell the user why this process waits: another one holds the build directory's lock."""
+    who = f" ({describe(holder)})" if holder else ""
+    print(f"waiting for another process{who} that is preparing the same data in {partial}", file=sys.stderr)
 
 
 def _emptied(partial: Path) -> Path:
@@ -378,9 +340,9 @@ def _emptied(partial: Path) -> Path:
 def _write_records(partial: Path, source: Source, val_source: Source | None, settings: DataConfig,
                    tokenizer: Tokenizer | None):
     """A records corpus: records → examples (jaxgpt.data.records) → tokens, masks and origins."""
-    forms = records.templates(settings)
-    train_files = _records_files(settings.source, settings)
-    val_files = _records_files(settings.val_source, settings) if settings.val_source else []
+    forms = records.templates(settings.records)
+    train_files = record_files(settings.source, settings)
+    val_files = record_files(settings.val_source, settings) if settings.val_source else []
     train = _read_examples(train_files, forms, settings.max_documents)
     if val_source is None:
         if len(train) < 2:
@@ -398,15 +360,6 @@ def _write_records(partial: Path, source: Source, val_source: Source | None, set
               for split, part in zip(SPLITS, (train, val), strict=True)}
     log.info("records of %s: %d training and %d validation examples", source.name, len(train), len(val))
     return tokenizer, dtype, splits, {"records": {"files": [str(f) for f in files], "templates": forms.identity()}}
-
-
-def _records_files(spec: str, settings: DataConfig) -> list[Path]:
-    if is_generated(spec):
-        return [generated_file(spec, settings.cache_path)]
-    if spec == "stdlib" or spec.startswith("tfds:"):
-        raise DataError(f"data.format='records' reads .jsonl, .json, .csv or .tsv files, not {spec!r}: set "
-                        "data.source to them")
-    return list_files(spec)
 
 
 def _read_examples(files: list[Path], forms: records.Templates, limit: int | None, first_file: int = 0):

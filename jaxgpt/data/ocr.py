@@ -2,7 +2,7 @@
 
 The engine is Tesseract 5 (the `tesseract` program: `apt-get install tesseract-ocr`, further
 languages as `tesseract-ocr-LANG`), run once per page with OMP_THREAD_LIMIT=1. The pages are
-recognised in parallel by `data.ocr_workers` such processes at once (threads of this process
+recognised in parallel by `data.ocr.workers` such processes at once (threads of this process
 only hand them pages and wait), which beats Tesseract's own OpenMP threads several times on a
 busy machine. Images are read by Pillow, PDF pages rendered by PDFium (pypdfium2) at 300 dpi;
 both are in the ocr extra (`pip install 'jaxgpt[ocr]'`). Tesseract gives each word a confidence
@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import DataConfig
+from jaxgpt.config import OcrConfig
 from jaxgpt.errors import DataError, one_line
 from jaxgpt.files import write_json
 
@@ -43,7 +43,7 @@ PDF_DPI = 300  # the resolution Tesseract is trained for
 SCANNED_BELOW = 5  # a PDF page whose text layer has fewer letters and digits is recognised (auto)
 CACHE_VERSION = 1
 INSTALL_HINT = ("install Tesseract and the ocr extra: apt-get install tesseract-ocr (Debian, Ubuntu; "
-                "'brew install tesseract' on macOS) and pip install 'jaxgpt[ocr]'; or set data.ocr='never'")
+                "'brew install tesseract' on macOS) and pip install 'jaxgpt[ocr]'; or set data.ocr.mode='never'")
 _PDFIUM = threading.Lock()  # PDFium is not thread-safe: one call into it at a time
 
 
@@ -101,7 +101,7 @@ def check_language(lang: str) -> None:
     missing = [name for name in lang.split("+") if name not in installed]
     if missing:
         packages = " ".join(f"tesseract-ocr-{name.lower().replace('_', '-')}" for name in missing)
-        raise DataError(f"data.ocr_lang={lang!r}: Tesseract has no {', '.join(missing)} (it has "
+        raise DataError(f"data.ocr.lang={lang!r}: Tesseract has no {', '.join(missing)} (it has "
                         f"{', '.join(sorted(installed))}); install it, e.g. apt-get install {packages}")
 
 
@@ -216,30 +216,30 @@ def render_pdf_page(path: Path, index: int, dpi: int = PDF_DPI) -> Any:
 
 
 def cpu_cores() -> int:
-    """The cores this process may run on (data.ocr_workers' default)."""
+    """The cores this process may run on (data.ocr.workers' default)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def identity(settings: DataConfig, suffixes: set[str]) -> dict[str, Any]:
+def identity(settings: OcrConfig, suffixes: set[str]) -> dict[str, Any]:
     """What of the OCR can change the documents of a source whose files have these suffixes
     (lower case), for the token cache's fingerprint: {} when it has no image or PDF. A source
-    that needs the engine (images; PDFs under ocr='always') without it, its language or the
+    that needs the engine (images; PDFs under ocr.mode='always') without it, its language or the
     ocr extra is a DataError now, before anything is read."""
     pdfs, images = ".pdf" in suffixes, bool(suffixes & IMAGE_SUFFIXES)
-    if settings.ocr == "never" or not (pdfs or images):
+    if settings.mode == "never" or not (pdfs or images):
         return {"ocr": "never"} if pdfs or images else {}
     try:
         engine = engine_version()
-        check_language(settings.ocr_lang)
-        if pdfs and settings.ocr == "always":
+        check_language(settings.lang)
+        if pdfs and settings.mode == "always":
             _pdfium()
     except DataError:
-        if images or settings.ocr == "always":
+        if images or settings.mode == "always":
             raise
         engine = None  # PDFs with text layers need no engine; a scanned page will say so
-    return {"ocr": settings.ocr, "ocr_lang": settings.ocr_lang, "ocr_engine": engine,
+    return {"ocr": settings.mode, "ocr_lang": settings.lang, "ocr_engine": engine,
             "pdf_renderer": pdf_renderer_version() if pdfs else None,
-            "ocr_drop_below": settings.ocr_min_confidence if settings.ocr_drop_low_confidence else None}
+            "ocr_drop_below": settings.min_confidence if settings.drop_low_confidence else None}
 
 
 # --- the cache and the pool ------------------------------------------------------------------
@@ -261,10 +261,10 @@ class Recognizer:
     file cannot be read). `close()` stops the pool and logs pages, seconds and characters.
     """
 
-    def __init__(self, settings: DataConfig):
-        self.lang = settings.ocr_lang
-        self.workers = settings.ocr_workers or cpu_cores()
-        self.directory = settings.cache_path / "ocr"
+    def __init__(self, settings: OcrConfig, directory: Path):
+        self.lang = settings.lang
+        self.workers = settings.workers or cpu_cores()
+        self.directory = directory
         self._engine: str | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._bar: Any = None

@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from jaxgpt.data.batches import _GOLDEN_GAMMA, _check_sizes, _mix64, _row_range
+from jaxgpt.data.batches import check_sizes, row_range, step_rng
 from jaxgpt.data.examples import Examples
 from jaxgpt.errors import DataError
 
@@ -106,10 +106,8 @@ def _kept_lengths(examples: Examples, block_size: int, truncate: str) -> tuple[n
 
 @functools.lru_cache(maxsize=4)
 def _permutation(seed: int, epoch: int, rows: int) -> np.ndarray:
-    """π_e: the rows ordered by a 64-bit hash of (seed, epoch, row)."""
-    with np.errstate(over="ignore"):
-        key = _mix64(_mix64(np.uint64(seed % 2**64)) + np.uint64(epoch))
-        return np.argsort(_mix64(key + np.arange(rows, dtype=np.uint64) * _GOLDEN_GAMMA), kind="stable")
+    """π_e: a uniformly random permutation of the rows, drawn by step_rng(seed, epoch)."""
+    return step_rng(seed, epoch).permutation(rows)
 
 
 def packed_batch(examples: Examples, layout: Layout, *, seed: int, step: int, batch_size: int,
@@ -119,10 +117,10 @@ def packed_batch(examples: Examples, layout: Layout, *, seed: int, step: int, ba
     global training batch of `step` (see the module docstring). The mask is True on the
     targets the loss counts: completions and their <|eos|> (loss_on='completion') or every
     target of an example (loss_on='all'); never on padding."""
-    _check_sizes(batch_size, layout.block_size)
+    check_sizes(batch_size, layout.block_size)
     if layout.rows == 0:
         raise DataError("no example fits in a row: raise model.block_size or shorten the records")
-    first, last = _row_range(rows, batch_size)
+    first, last = row_range(rows, batch_size)
     chosen = []
     for g in range(step * batch_size + first, step * batch_size + last):
         epoch, i = divmod(g, layout.rows)
@@ -139,7 +137,7 @@ def eval_rows(examples: Examples, layout: Layout, index: int, *, batch_size: int
               rows: slice | tuple[int, int] | None = None) -> tuple[np.ndarray, ...]:
     """Batch `index` of the layout's rows in order, the mask on completions only; rows past the
     last are padding (nothing counted)."""
-    first, last = _row_range(rows, batch_size)
+    first, last = row_range(rows, batch_size)
     chosen = [r if r < layout.rows else -1 for r in range(index * batch_size + first, index * batch_size + last)]
     return _fill(examples, layout, chosen, "completion")
 

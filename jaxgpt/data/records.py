@@ -7,11 +7,11 @@ record into an example: a list of turns (prompt, completion). The tokens of an e
 
     prompt₁ completion₁ <|eos|>  prompt₂ completion₂ <|eos|>  …
 
-and the loss falls on each completion and the <|eos|> that ends it (`data.loss_on`).
+and the loss falls on each completion and the <|eos|> that ends it (`data.records.loss_on`).
 
 Templates are text with `{field}` placeholders; `{a.b}` reaches into nested objects, `{a.0}`
 into lists; `{{` and `}}` are literal braces; a part in `[[…]]` is left out when a field it
-names is missing or empty (Alpaca's input). The presets (`data.template`):
+names is missing or empty (Alpaca's input). The presets (`data.records.template`):
 
     prompt_completion   {prompt} → {completion}
     alpaca              ### Instruction:\\n{instruction}\\n\\n[[### Input:\\n{input}\\n\\n]]### Response:\\n → {output}
@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import DataConfig
+from jaxgpt.config import RecordsConfig
 from jaxgpt.errors import DataError
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
@@ -191,8 +191,8 @@ def _missing(record: Record, name: str, first: Mapping[str, Any] | None) -> Data
         near = difflib.get_close_matches(top, known, n=1)
         hint = f"; did you mean {{{near[0]}}}?" if near else ""
         return DataError(f"the template names the field {name!r}, which the records do not have (those of "
-                         f"{record.where}: {', '.join(known) or 'none'}){hint} Fix data.prompt_template or "
-                         "data.completion_template")
+                         f"{record.where}: {', '.join(known) or 'none'}){hint} Fix data.records.prompt_template or "
+                         "data.records.completion_template")
     return DataError(f"{record.where} has no field {name!r}, which the template needs: add it to the record or "
                      "remove the record")
 
@@ -223,22 +223,22 @@ class Templates:
         return [None if t is None else t.text for t in (self.prompt, self.completion)]
 
 
-def templates(settings: DataConfig) -> Templates:
-    """The Templates the data settings name (a preset, or the two templates)."""
+def templates(settings: RecordsConfig) -> Templates:
+    """The Templates the data.records settings name (a preset, or the two templates)."""
     preset, prompt, completion = settings.template, settings.prompt_template, settings.completion_template
     if preset is not None:
         if preset not in PRESETS:
-            raise DataError(f"data.template={preset!r} is not a preset; choose one of {', '.join(PRESETS)}, or "
-                            "leave it None and set data.prompt_template and data.completion_template")
+            raise DataError(f"data.records.template={preset!r} is not a preset; choose one of {', '.join(PRESETS)}, "
+                            "or leave it None and set data.records.prompt_template and completion_template")
         if prompt is not None or completion is not None:
-            raise DataError(f"data.template={preset!r} and data.prompt_template / completion_template are both "
-                            "set: choose the preset or your own templates")
+            raise DataError(f"data.records.template={preset!r} and data.records.prompt_template / "
+                            "completion_template are both set: choose the preset or your own templates")
         if PRESETS[preset] is None:
             return Templates(None, None)
         prompt, completion = PRESETS[preset]
     if prompt is None or completion is None:
-        raise DataError("data.format='records' needs data.template (one of "
-                        f"{', '.join(PRESETS)}) or both data.prompt_template and data.completion_template, e.g. "
+        raise DataError("data.format='records' needs data.records.template (one of "
+                        f"{', '.join(PRESETS)}) or both data.records.prompt_template and completion_template, e.g. "
                         "'Question: {question}\\nAnswer: ' and '{answer}'")
     return Templates(Template(prompt), Template(completion))
 

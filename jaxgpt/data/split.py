@@ -1,5 +1,6 @@
-"""Train and validation splits of a text corpus decided as its documents stream past, and the
-sample a tokenizer learns from.
+"""Which documents a corpus reads (`capped`), the train and validation splits of a text
+corpus decided as its documents stream past, and the sample a tokenizer learns from; the
+splits of a records corpus, held in memory (`split_documents`).
 
 Document i (counted from 0, after data.max_documents / max_bytes and with empty documents
 dropped) is held out when blake2b-64(i) / 2⁶⁴ < val_fraction (the 8-byte digest of i as 8
@@ -14,7 +15,7 @@ one is, so that a small corpus still has a validation split.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 SPLITS = ("train", "val")
 SAMPLE_RULE = "the first train documents up to data.tokenizer_sample_bytes UTF-8 bytes, the last one cut"
@@ -74,3 +75,45 @@ def train_sample(items: Iterable[tuple[str, str]], max_bytes: int
         sample.append(document)
         total += len(encoded)
     return sample, total, read
+
+
+def capped(documents: Iterable[str], max_documents: int | None, max_bytes: int | None
+           ) -> Iterator[str]:
+    """The documents in order, lazily, at most `max_documents` of them and `max_bytes` UTF-8
+    bytes (the document that crosses the cap is cut on a character); empty ones dropped."""
+    budget = max_bytes
+    for count, document in enumerate(documents):
+        if max_documents is not None and count == max_documents:
+            return
+        if budget is not None:
+            encoded = document.encode("utf-8")
+            if len(encoded) >= budget:
+                last = encoded[:budget].decode("utf-8", "ignore")
+                if last:
+                    yield last
+                return
+            budget -= len(encoded)
+        if document:
+            yield document
+
+
+def split_documents(documents: Sequence[str], val_fraction: float
+                    ) -> tuple[list[str], list[str]]:
+    """(train, validation) documents.
+
+    Several documents: round(n · val_fraction) of them (at least one when the fraction is
+    positive, never all) are held out, spread evenly: document ⌊(2k+1)·n / 2m⌋ for
+    k = 0..m−1. One document: the validation split is its last val_fraction of characters.
+    """
+    n = len(documents)
+    if n == 1:
+        text = documents[0]
+        cut = len(text) - round(len(text) * val_fraction)
+        return [text[:cut]], [text[cut:]] if cut < len(text) else []
+    if val_fraction == 0:
+        return list(documents), []
+    held_out = min(max(1, round(n * val_fraction)), n - 1)
+    val_indices = {(2 * k + 1) * n // (2 * held_out) for k in range(held_out)}
+    train = [d for i, d in enumerate(documents) if i not in val_indices]
+    val = [d for i, d in enumerate(documents) if i in val_indices]
+    return train, val

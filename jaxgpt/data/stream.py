@@ -34,8 +34,8 @@ from jaxgpt import tokenizers
 from jaxgpt.config import DataConfig
 from jaxgpt.data.encode import default_workers, encoded_stream
 from jaxgpt.data.shards import ShardWriter
-from jaxgpt.data.sources import DocumentReader, Source, capped
-from jaxgpt.data.split import SAMPLE_RULE, SPLITS, assign_splits, train_sample
+from jaxgpt.data.sources import DocumentReader, Source
+from jaxgpt.data.split import SAMPLE_RULE, SPLITS, assign_splits, capped, train_sample
 from jaxgpt.errors import DataError
 from jaxgpt.tokenizers import Tokenizer
 
@@ -63,7 +63,7 @@ def write_text(partial: Path, source: Source, val_source: Source | None, setting
     if first_pass:  # the tokenizer's sample read the whole corpus: it is not read again
         reader, corpus = first_pass
     else:
-        reader = DocumentReader(settings.text_field, settings)
+        reader = DocumentReader(settings)
         corpus = _items(source, val_source, settings, reader)
     items = islice(corpus, build.item, None)
     workers = settings.workers or default_workers()
@@ -112,7 +112,7 @@ def _tokenizer(partial: Path, saved: dict | None, source: Source, val_source: So
             return previous, saved["header"]["tokenizer_sample"], None
     sample = first_pass = None
     if tokenizer is None:
-        reader = DocumentReader(settings.text_field, settings)
+        reader = DocumentReader(settings)
         texts, sample_bytes, read = train_sample(_items(source, val_source, settings, reader),
                                                  settings.tokenizer_sample_bytes)
         if not texts:

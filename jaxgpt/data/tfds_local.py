@@ -10,7 +10,7 @@
     )
 
 Then train on it with `data.source = "tfds:local_text_corpus"` and
-`data.tfds_data_dir = DATA_DIR`. Several corpora can live in one data directory under
+`data.tfds.data_dir = DATA_DIR`. Several corpora can live in one data directory under
 names of their own: `tfds.builder("local_text_corpus", config=LocalTextCorpusConfig(
 name="mycode"), ...)`, read back as `tfds:local_text_corpus/mycode`. With TensorFlow
 installed, TFDS's command line does the same: `tfds build local_text_corpus
@@ -18,7 +18,7 @@ installed, TFDS's command line does the same: `tfds build local_text_corpus
 ArrayRecord needs no TensorFlow to write or read; don't use the parquet format, which
 tensorflow-datasets 4.9.10 writes with rows missing.
 
-The files are read exactly like a path source of `jaxgpt.data.sources` (one document per text
+The files are read exactly like a path source of `jaxgpt.data.sources.files` (one document per text
 file, one per `.jsonl` line, one per `.pdf`). Subdirectories of manual_dir named like
 splits (train, validation, test) become those splits; without any, every file below
 manual_dir is in the train split. Each example is {"text": the document, "source": its
@@ -35,7 +35,9 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from jaxgpt.data.sources import DocumentReader, list_files
+from jaxgpt.config import DataConfig, FilesConfig
+from jaxgpt.data.sources.files import list_files
+from jaxgpt.data.sources.reader import DocumentReader
 
 SPLIT_DIRS = ("train", "validation", "test")
 
@@ -76,7 +78,8 @@ class LocalTextCorpus(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, directory: Path) -> Iterator[tuple[str, dict[str, str]]]:
         # Without a LocalTextCorpusConfig, .jsonl lines keep their text in "text".
-        reader = DocumentReader(getattr(self.builder_config, "text_field", "text"))
+        text_field = getattr(self.builder_config, "text_field", "text")
+        reader = DocumentReader(DataConfig(files=FilesConfig(text_field=text_field)))
         for path in list_files(directory):
             relative = path.relative_to(directory).as_posix()
             for k, document in enumerate(reader.read(path)):

@@ -1,21 +1,22 @@
-"""Prepare a run's data without training: `python -m jaxgpt.data.prepare --config=configs/X.py
+"""Prepare a run's data without training: `python -m jaxgpt.data --config=configs/X.py
 [--config.data.workers=8 ...]`.
 
 Reads, splits, tokenizes and caches config.data exactly as train.py would (a later run with
 the same data settings reuses the cache), with a progress bar in bytes and documents; a
 preparation that was stopped resumes where it stopped. Prints the cache directory and each
-split's tokens. (Imported, the module stands in for the function jaxgpt.data.prepare: calling it calls that.)
+split's tokens.
 """
 
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 from tqdm import tqdm
 
-# Only light imports at the top: each encoding worker imports this module again (spawn).
+from jaxgpt.cli import parse_config
+from jaxgpt.data import cache
+from jaxgpt.errors import ConfigError, one_line
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
 
@@ -38,10 +39,6 @@ class Bar:
 
 
 def main(argv: list[str]) -> int:
-    from jaxgpt.cli import parse_config
-    from jaxgpt.data import cache
-    from jaxgpt.errors import ConfigError, one_line
-
     try:
         config = parse_config(argv, DEFAULT_CONFIG)
         bar = Bar()
@@ -63,17 +60,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-class _CallableModule(types.ModuleType):
-    """Importing this module sets jaxgpt.data.prepare to it, in place of the function
-    `prepare` the package exports: calling it still calls that function."""
-
-    def __call__(self, *args, **kwargs):
-        from jaxgpt.data.cache import prepare
-
-        return prepare(*args, **kwargs)
-
-
 if __name__ == "__main__":
     sys.exit(main(sys.argv))
-else:
-    sys.modules[__name__].__class__ = _CallableModule

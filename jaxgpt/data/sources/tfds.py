@@ -1,7 +1,7 @@
 """TFDS as a source: `tfds:NAME[:SPLIT]` (split "train" by default; NAME may carry a config
 and version, `name/config:1.0.0`, and SPLIT may be a slice, `train[:10%]`) gives the text
-feature `data.tfds_text_feature` of each example, read through TFDS's ArrayRecord data source
-(no TensorFlow needed) from `data.tfds_data_dir`. A dataset that is not prepared is prepared
+feature `data.tfds.text_feature` of each example, read through TFDS's ArrayRecord data source
+(no TensorFlow needed) from `data.tfds.data_dir`. A dataset that is not prepared is prepared
 first when that needs neither TensorFlow nor an unreachable network. To turn your own files
 into a TFDS dataset see `jaxgpt.data.tfds_local`.
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxgpt.config import DataConfig
-from jaxgpt.data.sources import DocumentReader, Source
+from jaxgpt.data.sources.reader import DocumentReader
+from jaxgpt.data.sources.registry import Source, SourceKind, register
 from jaxgpt.errors import DataError, one_line
 
 log = logging.getLogger(__name__)
@@ -27,13 +28,25 @@ UNREACHABLE_PROBE_SECONDS = 5.0
 _TFDS_SPEC = re.compile(r"tfds:(?P<name>[\w./-]+(?::[\d*]+\.[\d*]+\.[\d*]+)?)(?::(?P<split>.+))?")
 
 
+@register
+class Tfds(SourceKind):
+    """'tfds:NAME[:SPLIT]': the text feature of a TFDS dataset's examples."""
+
+    scheme = "tfds"
+    form = "tfds:NAME[:SPLIT]"
+    section = "tfds"
+
+    def open(self, spec: str, settings: DataConfig) -> Source:
+        return tfds_source(spec, settings)
+
+
 def tfds_source(spec: str, settings: DataConfig) -> Source:
     match = _TFDS_SPEC.fullmatch(spec)
     if match is None:
         raise DataError(f"data source {spec!r} is not tfds:NAME[:SPLIT] "
                         "(e.g. tfds:local_text_corpus:train)")
     name, split = match["name"], match["split"] or "train"
-    builder = _builder(name, settings.tfds_data_dir)
+    builder = _builder(name, settings.tfds.data_dir)
     if not builder.is_prepared():
         _prepare_tfds(builder, name)
     try:
@@ -44,11 +57,11 @@ def tfds_source(spec: str, settings: DataConfig) -> Source:
                         "file_format='array_record'") from None
     except ValueError as err:
         raise DataError(f"TFDS dataset {name!r}: {one_line(err)}") from None
-    feature = settings.tfds_text_feature
+    feature = settings.tfds.text_feature
     features = list(builder.info.features.keys())
     if feature not in features:
         raise DataError(f"TFDS dataset {name!r} has no feature {feature!r} (its features: "
-                        f"{', '.join(features)}); set data.tfds_text_feature")
+                        f"{', '.join(features)}); set data.tfds.text_feature")
     info_file = Path(builder.data_dir) / "dataset_info.json"
     identity = {
         "kind": "tfds",
@@ -71,7 +84,7 @@ def tfds_source(spec: str, settings: DataConfig) -> Source:
                 if not isinstance(value, str):
                     raise DataError(f"TFDS dataset {name!r}: feature {feature!r} holds "
                                     f"{type(value).__name__}, not text; set "
-                                    "data.tfds_text_feature to a text feature")
+                                    "data.tfds.text_feature to a text feature")
                 if value:
                     yield value
 
@@ -91,7 +104,7 @@ def _builder(name: str, data_dir: str | None) -> Any:
     except tfds.core.registered.DatasetNotFoundError:
         raise DataError(f"unknown TFDS dataset {name!r}: tensorflow_datasets does not know it "
                         f"and it is not prepared in {where}; check the name, or set "
-                        "data.tfds_data_dir to where it was prepared") from None
+                        "data.tfds.data_dir to where it was prepared") from None
     except ValueError as err:  # e.g. an unknown config or version
         raise DataError(f"TFDS dataset {name!r}: {one_line(err)}") from None
 
@@ -105,7 +118,7 @@ def _prepare_tfds(builder: Any, name: str) -> None:
         if not (manual_dir.is_dir() and any(manual_dir.iterdir())):
             raise DataError(f"TFDS dataset {name!r} is not prepared and needs its files in "
                             f"{manual_dir}: put them there, or prepare it (see "
-                            "jaxgpt.tfds_local) into data.tfds_data_dir")
+                            "jaxgpt.data.tfds_local) into data.tfds.data_dir")
     else:
         # TFDS retries a failed download for minutes; an unreachable host fails here at once.
         _check_reachable(builder.url_infos or {}, name, builder.data_dir)

@@ -3,7 +3,7 @@ tests on any machine, with nothing to download.
 
 `data.source = 'generated:NAME[:COUNT]'` names one; it is written once, as JSONL, under the
 data cache (the same records on every machine: a fixed seed) and read like any records file,
-with data.template = 'qa' (fields question, answer):
+with data.records.template = 'qa' (fields question, answer):
 
     addition   {"question": "482+37", "answer": "519"}: two numbers in 0…999, every
                pair at most once (default 20000 records)
@@ -22,6 +22,9 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxgpt.config import DataConfig
+from jaxgpt.data.sources.files import files_source
+from jaxgpt.data.sources.registry import Source, SourceKind, register
 from jaxgpt.errors import DataError
 from jaxgpt.files import write_atomically
 
@@ -77,8 +80,18 @@ TASKS: dict[str, Callable[[random.Random, int], list[dict[str, str]]]] = {
     "addition": _addition, "reverse": _reverse, "lookup": _lookup}
 
 
-def is_generated(spec: str | None) -> bool:
-    return bool(spec) and spec.startswith(PREFIX)
+@register
+class Generated(SourceKind):
+    """'generated:NAME[:COUNT]': a task's records, written once under the data cache."""
+
+    scheme = "generated"
+    form = "generated:NAME[:COUNT]"
+
+    def open(self, spec: str, settings: DataConfig) -> Source:
+        return files_source(spec, spec.replace(":", "-"), self.record_files(spec, settings), settings)
+
+    def record_files(self, spec: str, settings: DataConfig) -> list[Path]:
+        return [generated_file(spec, settings.cache_path)]
 
 
 def generated_file(spec: str, cache_dir: Path) -> Path:

@@ -1,5 +1,5 @@
 """Hugging Face datasets as a source: `hf:NAME_OR_PATH[:CONFIG][:SPLIT]` gives the field
-`data.text_field` of each row, read lazily through the `datasets` library (the hf extra:
+`data.hf.text_field` of each row, read lazily through the `datasets` library (the hf extra:
 `pip install 'jaxgpt[hf]'`).
 
 NAME_OR_PATH is, in this order of precedence:
@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxgpt.config import DataConfig
-from jaxgpt.data.sources import DocumentReader, Source, list_files
+from jaxgpt.data.sources.files import list_files
+from jaxgpt.data.sources.reader import DocumentReader
+from jaxgpt.data.sources.registry import Source, SourceKind, register
 from jaxgpt.errors import DataError, one_line
 
 PREFIX = "hf:"
@@ -37,6 +39,18 @@ DEFAULT_SPLIT = "train"
 _SPLIT_LIKE = re.compile(r"(?:train|validation|valid|test|dev)")
 
 
+@register
+class Hf(SourceKind):
+    """'hf:NAME_OR_PATH[:CONFIG][:SPLIT]': a column of a Hugging Face dataset's rows."""
+
+    scheme = "hf"
+    form = "hf:NAME_OR_PATH[:CONFIG][:SPLIT]"
+    section = "hf"
+
+    def open(self, spec: str, settings: DataConfig) -> Source:
+        return hf_source(spec, settings)
+
+
 def hf_source(spec: str, settings: DataConfig) -> Source:
     """The Source `spec` ("hf:…") names; the Hub is only asked for its revision here."""
     name, config, split = parse_spec(spec)
@@ -46,9 +60,9 @@ def hf_source(spec: str, settings: DataConfig) -> Source:
         opened, identity = _local(datasets, path, config, split)
     else:
         opened, identity = _hub(datasets, name, config, split or DEFAULT_SPLIT)
-    identity.update(kind="hf", config=config, split=split, text_field=settings.text_field)
+    identity.update(kind="hf", config=config, split=split, text_field=settings.hf.text_field)
     label = f"hf-{path.name or name}-{split or DEFAULT_SPLIT}"
-    return Source(label, identity, _documents_of(spec, opened, settings.text_field))
+    return Source(label, identity, _documents_of(spec, opened, settings.hf.text_field))
 
 
 def parse_spec(spec: str) -> tuple[str, str | None, str | None]:
@@ -199,7 +213,7 @@ def _documents_of(spec: str, opened: Callable[[], Any], field: str) -> Callable[
                         yield text
                 elif text is not None:  # a missing value is no document
                     raise DataError(f"{spec}: field {field!r} holds {type(text).__name__}, not text; set "
-                                    "data.text_field to the field with the text")
+                                    "data.hf.text_field to the field with the text")
 
     return documents
 
@@ -207,4 +221,4 @@ def _documents_of(spec: str, opened: Callable[[], Any], field: str) -> Callable[
 def _check_field(spec: str, field: str, columns: list[str]) -> None:
     if field not in columns:
         raise DataError(f"{spec} has no field {field!r} (its columns: {', '.join(columns)}); set "
-                        "data.text_field to the column with the text")
+                        "data.hf.text_field to the column with the text")

@@ -1,0 +1,29 @@
+"""Attention: the forms (the model's identity, config.model.attention), each in its own file
+with its cache, and the softmax kernels (a compute setting, config.compute.kernel).
+
+    FORMS[cfg.attention].attend(cfg, kernel, q, k, v, where, layer_cache, bias_of, on_weights)
+    KERNELS[compute.kernel](q, k, v, where, bias_of, on_weights)
+    init_cache(cfg, batch_size, max_length, dtype)    the form's empty cache, for decoding
+
+A new form is a file with a Form (base.py says what it implements) and a line in FORMS; a
+new kernel is a function in kernels.py and a line in KERNELS.
+"""
+
+from __future__ import annotations
+
+from jaxgpt.attention import linear, local, softmax
+from jaxgpt.attention.base import Form, Where
+from jaxgpt.attention.kernels import KERNELS
+from jaxgpt.attention.linear import LinearCache
+from jaxgpt.attention.local import RingCache
+from jaxgpt.attention.softmax import KVCache
+
+FORMS: dict[str, Form] = {"softmax": softmax.FORM, "linear": linear.FORM, "local": local.FORM}
+
+__all__ = ["FORMS", "KERNELS", "Form", "KVCache", "LinearCache", "RingCache", "Where", "init_cache"]
+
+
+def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=None):
+    """An empty cache of cfg's attention form for `batch_size` rows of up to `max_length`
+    (default block_size) positions, keys and values in `dtype` (default float32)."""
+    return FORMS[cfg.attention].init_cache(cfg, batch_size, max_length, "float32" if dtype is None else dtype)

@@ -1,0 +1,64 @@
+"""What every attention form shares: Where (which key each query sees) and Form (the
+interface a form implements, with its cache)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxgpt import ops
+
+
+class Where(NamedTuple):
+    """Positions (B, T) of the queries and (B, S) of the keys, and segments (the example each
+    token belongs to when several are packed in a row; None: one sequence). A query sees a
+    key iff the key's position is not later, with segments it is of the same segment, and
+    with a window w it is less than w positions earlier: causal within each packed example,
+    never across, and local when windowed."""
+
+    q_positions: jax.Array
+    k_positions: jax.Array
+    q_segments: jax.Array | None = None
+    k_segments: jax.Array | None = None
+    window: int | None = None
+
+    def mask(self):
+        """(B, 1, T, S): ops.position_mask, ops.segment_mask with segments, ops.window_mask with a window."""
+        mask = ops.position_mask(self.q_positions, self.k_positions)
+        if self.q_segments is not None:
+            mask = mask & ops.segment_mask(self.q_segments, self.k_segments)
+        if self.window is not None:
+            mask = mask & ops.window_mask(self.q_positions, self.k_positions, self.window)
+        return mask[:, None]
+
+    def keys_are_queries(self) -> bool:
+        """The keys are the queries' own tokens (no cache): key s sits where query s does."""
+        return self.k_positions is self.q_positions
+
+    def queries(self, start: int, end: int, keys_end: int) -> Where:
+        """Queries start…end−1 against keys 0…keys_end−1."""
+        segments = (None, None) if self.q_segments is None else (
+            self.q_segments[:, start:end], self.k_segments[:, :keys_end])
+        return self._replace(q_positions=self.q_positions[:, start:end], k_positions=self.k_positions[:, :keys_end],
+                             q_segments=segments[0], k_segments=segments[1])
+
+
+class Form(NamedTuple):
+    """An attention form (the model's identity: config.model.attention), one file each.
+
+    attend(cfg, kernel, q, k, v, where, layer_cache, bias_of, on_weights) → (context
+      (B,T,H,D), the layer's new cache or None): q (B,T,H,D), k and v (B,T,H_kv,D) of the new
+      tokens; kernel one of kernels.KERNELS (a form that forms no softmax ignores it);
+      layer_cache what the form's cache gives for the layer (None without a cache).
+    init_cache(cfg, batch_size, max_length, dtype) → an empty cache for decoding. A cache is a
+      pytree with `index` (B,) and the methods locate, layer, with_layers, resume_at and with_limit
+      (softmax.KVCache says what each does).
+    grows_past_context: the cache carries the whole sequence, so decoding never crops it and
+      a new token costs one position at any length.
+    """
+
+    attend: Callable[..., tuple[jax.Array, Any]]
+    init_cache: Callable[..., Any]
+    grows_past_context: bool = False

@@ -1,0 +1,100 @@
+"""attention='local': softmax attention over a sliding window, a query seeing itself and the
+window − 1 positions before it (M_ts = 1 iff 0 ≤ t − s < w), by any softmax kernel; its cache
+holds only the last `window` keys and values of each layer, in a ring of slots."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.attention.base import Form, Where
+
+EMPTY = jnp.iinfo(jnp.int32).min // 2  # the position of a slot never written: outside every window
+NO_LIMIT = jnp.iinfo(jnp.int32).max
+
+
+@flax.struct.dataclass
+class RingCache:
+    """keys[l], values[l]: (B, W, H_kv, D) with W = min(window, the longest sequence); the
+    token number n of a row lives in slot n mod W. positions[l] (B, W): the position of each
+    slot's token (EMPTY before it is written). index (B,): tokens seen so far in each row.
+    limit (B,): tokens at positions ≥ limit are read but not kept (a padded prefill's padding)."""
+
+    keys: tuple
+    values: tuple
+    positions: tuple
+    index: jax.Array
+    limit: jax.Array
+
+    def locate(self, tokens, positions=None, segments=None) -> tuple[jax.Array, Where, RingCache]:
+        if segments is not None:
+            raise ValueError("attention='local' decodes one sequence per row: segments cannot be given with its cache")
+        if positions is None:
+            positions = self.index[:, None] + jnp.arange(tokens.shape[-1])[None, :]
+        return positions, Where(positions, positions), self
+
+    def layer(self, layer: int, positions):
+        """What layer `layer` reads and extends: (keys, values, their positions, index)."""
+        del positions
+        return self.keys[layer], self.values[layer], self.positions[layer], self.index, self.limit
+
+    def with_layers(self, layers: list, length: int) -> RingCache:
+        keys, values, positions = zip(*layers, strict=True)
+        return self.replace(keys=keys, values=values, positions=positions, index=self.index + length)
+
+    def resume_at(self, last) -> RingCache:
+        return self.replace(index=last)
+
+    def with_limit(self, limit=None) -> RingCache:
+        """Keep only the tokens at positions < limit (B,) from now on; None: every token."""
+        return self.replace(limit=jnp.full_like(self.limit, NO_LIMIT) if limit is None else limit)
+
+
+def attend(cfg, kernel, q, k, v, where: Where, layer_cache, bias_of, on_weights):
+    """The kernel with the window in the mask. With a cache, the new tokens read the ring's
+    keys of earlier tokens (slots of tokens at or past the first new one are stale: hidden)
+    and their own, then the last W of them are written into the ring."""
+    where = where._replace(window=cfg.window)
+    if layer_cache is None:
+        return kernel(q, k, v, where, bias_of, on_weights), None
+    ring_k, ring_v, ring_positions, index, limit = layer_cache
+    first = where.q_positions[:, :1]
+    seen = jnp.where(ring_positions < first, ring_positions, EMPTY)
+    k_positions = jnp.concatenate([seen, where.q_positions], axis=1)
+    context = kernel(q, jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1),
+                     jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1),
+                     Where(where.q_positions, k_positions, window=cfg.window), bias_of, on_weights)
+    return context, _write(ring_k, ring_v, ring_positions, k, v, where.q_positions, index, limit)
+
+
+def _write(ring_k, ring_v, ring_positions, k, v, positions, index, limit):
+    """The ring after the new tokens: of those before `limit`, the last W, token n in slot
+    n mod W (W consecutive tokens: distinct slots); the others are dropped."""
+    W, T = ring_k.shape[1], k.shape[1]
+    below = positions < limit[:, None]  # a prefix of the new tokens
+    t = jnp.arange(T)[None, :]
+    kept = below & (t >= below.sum(axis=1, keepdims=True) - W)
+    slots = jnp.where(kept, (index[:, None] + t) % W, W)  # W: out of range, dropped
+
+    def write(ring, new, slot):
+        return ring.at[slot].set(new.astype(ring.dtype), mode="drop")
+
+    return (jax.vmap(write)(ring_k, k, slots), jax.vmap(write)(ring_v, v, slots),
+            jax.vmap(write)(ring_positions, positions.astype(jnp.int32), slots))
+
+
+def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.float32) -> RingCache:
+    """An empty ring of min(window, max_length) slots (max_length default block_size)."""
+    max_length = cfg.block_size if max_length is None else max_length
+    if not 0 < max_length <= cfg.block_size:
+        raise ValueError(f"init_cache: max_length={max_length} must be in 1…block_size={cfg.block_size}")
+    slots = min(cfg.window, max_length)
+    shape = (batch_size, slots, cfg.n_kv_head, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
+    empty = tuple(jnp.full((batch_size, slots), EMPTY, jnp.int32) for _ in range(cfg.n_layer))
+    return RingCache(keys=zeros, values=zeros, positions=empty, index=jnp.zeros((batch_size,), jnp.int32),
+                     limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32))
+
+
+FORM = Form(attend=attend, init_cache=init_cache)

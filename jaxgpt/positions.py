@@ -1,0 +1,70 @@
+"""Positional schemes (config.model.positions), one interface: where a scheme enters the model.
+
+    embed(cfg, x, positions, init, dtypes)  X + P: the learned table (a parameter 'wpe',
+                                            made in the calling module) or the sinusoid
+    rotate(cfg, q, k, positions)            RoPE: q and k rotated by their positions
+    bias(cfg, where)                        ALiBi: the bias on the attention scores
+    ends_at_block_size                      positions past block_size do not exist
+
+A scheme overrides only the hooks it uses; the others are the identity (or no bias).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+
+from jaxgpt import ops
+
+
+class Scheme:
+    """No positional information: every hook the identity ('none')."""
+
+    ends_at_block_size = False
+
+    def embed(self, cfg, x, positions, init, dtypes):
+        return x
+
+    def rotate(self, cfg, q, k, positions):
+        return q, k
+
+    def bias(self, cfg, where):
+        return None
+
+
+class Learned(Scheme):
+    """X + P[positions], P (block_size, d) a parameter (GPT-2)."""
+
+    ends_at_block_size = True
+
+    def embed(self, cfg, x, positions, init, dtypes):
+        compute_dtype, param_dtype = dtypes
+        table = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=init, dtype=compute_dtype,
+                         param_dtype=param_dtype, name="wpe")
+        return x + table(positions)
+
+
+class Sinusoidal(Scheme):
+    """X + PE[positions] (ops.sinusoidal_positions)."""
+
+    ends_at_block_size = True
+
+    def embed(self, cfg, x, positions, init, dtypes):
+        return x + ops.sinusoidal_positions(cfg.block_size, cfg.d_model)[positions].astype(x.dtype)
+
+
+class Rope(Scheme):
+    """q, k rotated pairwise by angles proportional to their positions (ops.rope)."""
+
+    def rotate(self, cfg, q, k, positions):
+        return ops.rope(q, positions, cfg.rope_base), ops.rope(k, positions, cfg.rope_base)
+
+
+class Alibi(Scheme):
+    """The scores biased by −m_h·(distance) (ops.alibi_bias_at)."""
+
+    def bias(self, cfg, where):
+        return ops.alibi_bias_at(cfg.n_head, where.q_positions, where.k_positions)
+
+
+SCHEMES: dict[str, Scheme] = {"learned": Learned(), "sinusoidal": Sinusoidal(), "rope": Rope(), "alibi": Alibi(),
+                              "none": Scheme()}

@@ -1,0 +1,78 @@
+"""attention='local', the sliding window, added through the form interface (jaxgpt/attention/
+local.py): the float64 reference with the window in its mask, every softmax kernel, decoding
+with a ring cache of `window` slots equal to the full forward, and the registries in step
+with the config schema."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from test_model import decode_step_by_step, forward, random_params, tiny, tokens
+
+from jaxgpt import ComputeConfig, init_cache, sampling
+from jaxgpt.attention import FORMS, KERNELS, RingCache
+from jaxgpt.model_config import ATTENTIONS
+from jaxgpt.model_config import KERNELS as KERNEL_NAMES
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=tol)
+
+
+def test_the_registries_hold_what_the_schema_accepts():
+    assert tuple(FORMS) == ATTENTIONS and tuple(KERNELS) == KERNEL_NAMES
+
+
+@pytest.mark.parametrize("kernel", ["explicit", "blocked", "xla"])
+@pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])
+def test_each_kernel_computes_the_windowed_reference(kernel, positions):
+    """T = 70 > one query block (64): the blocked kernel's blocks see the window too."""
+    cfg = tiny(attention="local", window=5, positions=positions, block_size=80)
+    params = random_params(cfg)
+    x = tokens(cfg, 2, 70)
+    want = ref.gpt_forward(cfg, jax.device_get(params), np.asarray(x))
+    close(forward(cfg, params, x, compute=ComputeConfig(kernel=kernel)), want, 1e-4)
+
+
+def test_a_window_as_long_as_the_context_is_softmax_attention():
+    local = tiny(attention="local", window=16)
+    params = random_params(local)
+    x = tokens(local, 2, 16)
+    close(forward(local, params, x), forward(tiny(), params, x))
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_decoding_through_the_ring_equals_the_full_forward(window):
+    """Prefill 1, 4 or 11 tokens, then one at a time: the ring of `window` slots wraps many times."""
+    cfg = tiny(attention="local", window=window, positions="rope")
+    params = random_params(cfg)
+    x = tokens(cfg, 2, 14)
+    full = forward(cfg, params, x)
+    for prompt_length in (1, 4, 11):
+        close(decode_step_by_step(cfg, params, x, prompt_length, cfg.block_size), full)
+
+
+def test_the_cache_is_bounded_by_the_window():
+    cfg = tiny(attention="local", window=3)
+    cache = init_cache(cfg, 2)
+    assert isinstance(cache, RingCache) and cache.keys[0].shape == (2, 3, cfg.n_kv_head, cfg.head_dim)
+    params, x = random_params(cfg), tokens(cfg, 2, 12)
+    _, cache = forward(cfg, params, x, cache)
+    assert cache.keys[0].shape[1] == 3  # twelve tokens seen, three kept
+    np.testing.assert_array_equal(np.sort(np.asarray(cache.positions[0]), axis=1), [[9, 10, 11]] * 2)
+
+
+def test_generate_with_padded_prompts_and_past_the_context_equals_recomputing():
+    """Two prompt lengths in one padded batch, generated past block_size (cropping): each row's
+    greedy tokens are the argmax of one full forward of its own cropped sequence."""
+    cfg = tiny(attention="local", window=4, block_size=8)
+    params = random_params(cfg)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    result = sampling.generate(params, cfg, prompts, 0, max_new_tokens=7, temperature=0.0)
+    for prompt, row in zip(prompts, result.new_tokens(), strict=True):
+        sequence = list(prompt)
+        for token in row:
+            window = jnp.asarray(sequence[-cfg.block_size:])[None]
+            assert int(jnp.argmax(forward(cfg, params, window)[0, -1])) == int(token)
+            sequence.append(int(token))
