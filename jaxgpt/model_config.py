@@ -17,19 +17,24 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+from jaxgpt import ops
+from jaxgpt.attention import FORMS
+from jaxgpt.attention.kernels import KERNELS as KERNEL_FUNCTIONS
+from jaxgpt.positions import SCHEMES
+
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu", "silu", "glu")
 GATED = ("swiglu", "geglu", "glu")
 INITS = ("gpt2", "he", "small")
-# the attention forms (jaxgpt.attention.FORMS) and kernels (jaxgpt.attention.kernels.KERNELS)
-ATTENTIONS = ("softmax", "linear", "local")
-KERNELS = ("explicit", "blocked", "xla", "cudnn")
-LINEAR_FEATURES = ("elu+1", "relu")  # φ of attention="linear"
+# The registries are the lists of valid names: positions (jaxgpt.positions.SCHEMES), attention
+# forms (jaxgpt.attention.FORMS) and kernels (jaxgpt.attention.kernels.KERNELS); a new entry
+# there is valid here at once.
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-# the compute section's keys that older run directories kept in the model section
+# the compute section's keys that older run directories kept in the model section, and the
+# kernels they named in model.attention
 COMPUTE_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
+OLD_KERNELS = ("explicit", "blocked", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,21 +95,21 @@ class GPTConfig:
                 f"GPTConfig.positions='rope' needs an even head size, but head_dim = {self.head_dim}: "
                 f"choose an even head_dim (or d_model and n_head so that d_model/n_head is even)"
             )
-        if self.attention == "linear" and self.positions == "alibi":
-            raise ValueError("GPTConfig.attention='linear' with positions='alibi': ALiBi is a bias on softmax "
-                             "scores, which linear attention has none of; use positions='rope' or 'none'")
-        if (self.attention == "local") != (self.window is not None):
-            raise ValueError(f"GPTConfig.window={self.window!r} with attention={self.attention!r}: a window is "
-                             "what attention='local' needs and only it reads (e.g. attention='local', window=64)")
-        if self.window is not None and (not is_int(self.window) or self.window <= 0):
-            raise ValueError(f"GPTConfig.window={self.window!r}: must be a positive integer")
+        SCHEMES[self.positions].check(self)
+        FORMS[self.attention].check(self)
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        for name, form in FORMS.items():
+            for key in form.keys:
+                if name != self.attention and defaults[key] is None and getattr(self, key) is not None:
+                    raise ValueError(f"GPTConfig.{key}={getattr(self, key)!r} with attention={self.attention!r}: "
+                                     f"only attention={name!r} reads it; leave it None or set attention={name!r}")
         if self.ffn_layers > 1 and self.activation in GATED:
             raise ValueError(f"GPTConfig.ffn_layers={self.ffn_layers} with the gated activation "
                              f"{self.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
 
     def __post_init__(self):
         self._resolve_defaults()
-        if self.attention in KERNELS:
+        if self.attention in KERNEL_FUNCTIONS:
             raise ValueError(f"GPTConfig.attention={self.attention!r} is a kernel, how softmax attention runs: set "
                              f"compute.kernel={self.attention!r} (and attention='softmax', the default)")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
@@ -113,13 +118,13 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive integer")
         for name, valid in (
-            ("positions", POSITIONS),
+            ("positions", SCHEMES),
             ("norm", NORMS),
             ("norm_position", NORM_POSITIONS),
             ("activation", ACTIVATIONS),
-            ("attention", ATTENTIONS),
+            ("attention", FORMS),
             ("init", INITS),
-            ("linear_feature", LINEAR_FEATURES),
+            ("linear_feature", ops.FEATURE_MAPS),
         ):
             _check_choice("GPTConfig", name, getattr(self, name), valid)
         for name in ("parallel_block", "bias", "tie_embeddings", "logits_bias"):
@@ -130,8 +135,6 @@ class GPTConfig:
         if not self.norm_eps > 0:
             raise ValueError(f"GPTConfig.norm_eps={self.norm_eps!r}: must be positive")
         self._check_variants()
-        if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"GPTConfig.positions='sinusoidal' needs an even d_model, got d_model={self.d_model}")
         if self.parallel_block and self.norm_position == "post":
             raise ValueError(
                 "GPTConfig.parallel_block=True with norm_position='post': the parallel block is "
@@ -156,13 +159,7 @@ class GPTConfig:
         """Build from a plain dict (e.g. a saved run's config); unknown keys are an error. A
         model section written before the compute settings had their own section is read as
         its identity: its kernel, dtypes, remat and scan_layers are left out (split_model)."""
-        values = split_model(values)[0]
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"GPTConfig has no field(s) {', '.join(unknown)}; valid fields: "
-                             f"{', '.join(sorted(known))}")
-        return cls(**values)
+        return _from_dict(cls, split_model(values)[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +184,7 @@ class ComputeConfig:
     scan_layers: bool = False
 
     def __post_init__(self):
-        _check_choice("ComputeConfig", "kernel", self.kernel, KERNELS)
+        _check_choice("ComputeConfig", "kernel", self.kernel, KERNEL_FUNCTIONS)
         for name in ("dtype", "param_dtype"):
             _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
         for name in ("remat", "scan_layers"):
@@ -209,12 +206,8 @@ class ComputeConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> ComputeConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"ComputeConfig has no field(s) {', '.join(unknown)}; valid fields: "
-                             f"{', '.join(sorted(known))}")
-        return cls(**values)
+        """Build from a plain dict (e.g. a saved run's compute section); unknown keys are an error."""
+        return _from_dict(cls, values)
 
 
 def split_model(values: dict) -> tuple[dict, dict]:
@@ -225,10 +218,19 @@ def split_model(values: dict) -> tuple[dict, dict]:
     for key in COMPUTE_KEYS:
         if key in identity:
             compute[key] = identity.pop(key)
-    if identity.get("attention") in KERNELS:
+    if identity.get("attention") in OLD_KERNELS:
         compute["kernel"] = identity["attention"]
         identity["attention"] = "softmax"
     return identity, compute
+
+
+def _from_dict(cls, values: dict):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {', '.join(unknown)}; valid fields: "
+                         f"{', '.join(sorted(known))}")
+    return cls(**values)
 
 
 def _check_choice(owner: str, name: str, value: Any, valid) -> None:

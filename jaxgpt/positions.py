@@ -5,6 +5,7 @@
     rotate(cfg, q, k, positions)            RoPE: q and k rotated by their positions
     bias(cfg, where)                        ALiBi: the bias on the attention scores
     ends_at_block_size                      positions past block_size do not exist
+    check(cfg)                              a one-line ValueError for shapes it cannot serve
 
 A scheme overrides only the hooks it uses; the others are the identity (or no bias).
 """
@@ -20,6 +21,9 @@ class Scheme:
     """No positional information: every hook the identity ('none')."""
 
     ends_at_block_size = False
+
+    def check(self, cfg) -> None:
+        pass
 
     def embed(self, cfg, x, positions, init, dtypes):
         return x
@@ -48,12 +52,21 @@ class Sinusoidal(Scheme):
 
     ends_at_block_size = True
 
+    def check(self, cfg) -> None:
+        if cfg.d_model % 2:
+            raise ValueError(f"GPTConfig.positions='sinusoidal' needs an even d_model, got d_model={cfg.d_model}")
+
     def embed(self, cfg, x, positions, init, dtypes):
         return x + ops.sinusoidal_positions(cfg.block_size, cfg.d_model)[positions].astype(x.dtype)
 
 
 class Rope(Scheme):
     """q, k rotated pairwise by angles proportional to their positions (ops.rope)."""
+
+    def check(self, cfg) -> None:
+        if cfg.head_dim % 2:
+            raise ValueError(f"GPTConfig.positions='rope' needs an even head size, but head_dim = {cfg.head_dim}: "
+                             "choose an even head_dim (or d_model and n_head so that d_model/n_head is even)")
 
     def rotate(self, cfg, q, k, positions):
         return ops.rope(q, positions, cfg.rope_base), ops.rope(k, positions, cfg.rope_base)

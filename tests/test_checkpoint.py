@@ -4,11 +4,7 @@ reach the host) and are the same on any mesh; a step with damaged metrics keeps 
 
 import json
 import logging
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -16,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from processes import finished, free_port, with_devices
 
 from jaxgpt import checkpoint
 from jaxgpt.checkpoint import CHECKSUMS, CheckpointError, Checkpoints, NonFiniteState, tree_checksums
@@ -168,19 +165,6 @@ def test_tensors_replaced_by_another_steps_intact_files_are_found(tmp_path, capl
     checkpoints.close()
 
 
-def with_devices(code: str, *args, devices: int) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finished(process: subprocess.Popen) -> str:
-    out, err = process.communicate(timeout=180)
-    assert process.returncode == 0, err[-3000:]
-    return out.strip()
-
-
 EIGHT_DEVICES = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
@@ -233,8 +217,6 @@ print("ok")
 
 
 def test_checksums_over_two_processes_count_each_element_once():
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     workers = [with_devices(TWO_PROCESSES, process, port, devices=2) for process in (0, 1)]
     assert [finished(worker).splitlines()[-1] for worker in workers] == ["ok", "ok"]  # after gloo's lines

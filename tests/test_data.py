@@ -9,8 +9,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
+from processes import finished, free_port, with_devices
 
 from jaxgpt import data, tokenizers
 from jaxgpt.data import DataError, cache
@@ -857,19 +856,6 @@ def test_device_batches_raise_the_thread_exception_at_its_step_and_close_cleanly
         next(endless)
 
 
-def run_with_devices(code, *args, devices=8):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finished(process):
-    out, err = process.communicate(timeout=180)
-    assert process.returncode == 0, err[-3000:]
-    return out
-
-
 EIGHT_DEVICES = """
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -900,7 +886,7 @@ print("ok")
 
 
 def test_sharded_batches_on_eight_devices_equal_the_unsharded_batch():
-    assert finished(run_with_devices(EIGHT_DEVICES)).strip() == "ok"
+    assert finished(with_devices(EIGHT_DEVICES)).strip() == "ok"
 
 
 TWO_PROCESSES = """
@@ -931,8 +917,5 @@ print("ok")
 
 
 def test_each_of_two_processes_makes_only_its_own_rows():
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        port = probe.getsockname()[1]
-    workers = [run_with_devices(TWO_PROCESSES, process, port, devices=4) for process in (0, 1)]
+    workers = [with_devices(TWO_PROCESSES, process, free_port(), devices=4) for process in (0, 1)]
     assert [finished(worker).strip() for worker in workers] == ["ok", "ok"]

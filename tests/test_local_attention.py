@@ -10,18 +10,34 @@ import pytest
 import reference as ref
 from test_model import decode_step_by_step, forward, random_params, tiny, tokens
 
-from jaxgpt import ComputeConfig, init_cache, sampling
-from jaxgpt.attention import FORMS, KERNELS, RingCache
-from jaxgpt.model_config import ATTENTIONS
-from jaxgpt.model_config import KERNELS as KERNEL_NAMES
+from jaxgpt import ComputeConfig, GPTConfig, init_cache, sampling
+from jaxgpt.attention import KERNELS, RingCache, kernels
 
 
 def close(a, b, tol=1e-5):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=tol)
 
 
-def test_the_registries_hold_what_the_schema_accepts():
-    assert tuple(FORMS) == ATTENTIONS and tuple(KERNELS) == KERNEL_NAMES
+def test_a_kernel_added_to_the_registry_is_a_compute_setting_at_once(monkeypatch):
+    """The registry is the list of valid names: one entry there, and nothing else, makes a kernel."""
+    calls = []
+
+    def counting(q, k, v, where, bias_of, on_weights):
+        calls.append(q.shape)
+        return kernels.explicit(q, k, v, where, bias_of, on_weights)
+
+    with pytest.raises(ValueError, match=r"kernel='counting': must be one of explicit, blocked, xla, cudnn"):
+        ComputeConfig(kernel="counting")
+    monkeypatch.setitem(KERNELS, "counting", counting)
+    cfg = tiny()
+    params, x = random_params(cfg), tokens(cfg, 2, 9)
+    close(forward(cfg, params, x, compute=ComputeConfig(kernel="counting")), forward(cfg, params, x))
+    assert calls == [(2, 9, cfg.n_head, cfg.head_dim)] * cfg.n_layer
+
+
+def test_a_window_is_only_for_the_local_form():
+    with pytest.raises(ValueError, match=r"window=8 with attention='softmax': only attention='local' reads it"):
+        GPTConfig(window=8)
 
 
 @pytest.mark.parametrize("kernel", ["explicit", "blocked", "xla"])

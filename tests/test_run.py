@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from processes import free_port
 
 from jaxgpt import ComputeConfig, GPTConfig, sharding
 
@@ -229,14 +230,6 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, corpus, async_che
     lost = 2 * (2 if async_checkpoints else 1)
     assert reached - lost <= resumed_from <= reached + 1
     assert resumed_from % 2 == 0 and resumed_from >= 6
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_train_together_like_one(tmp_path, corpus):

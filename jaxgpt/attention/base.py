@@ -57,8 +57,14 @@ class Form(NamedTuple):
       (softmax.KVCache says what each does).
     grows_past_context: the cache carries the whole sequence, so decoding never crops it and
       a new token costs one position at any length.
+    check(cfg): a one-line ValueError for a GPTConfig this form cannot compute (called by
+      GPTConfig when it is made).
+    keys: the GPTConfig fields only this form reads; one that defaults to None must stay None
+      under the other forms.
     """
 
     attend: Callable[..., tuple[jax.Array, Any]]
     init_cache: Callable[..., Any]
     grows_past_context: bool = False
+    check: Callable[[Any], None] = lambda cfg: None
+    keys: tuple[str, ...] = ()

@@ -97,4 +97,13 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.fl
                      limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32))
 
 
-FORM = Form(attend=attend, init_cache=init_cache)
+def check(cfg) -> None:
+    window = cfg.window
+    if window is None:
+        raise ValueError("GPTConfig.window=None with attention='local': a sliding window needs its length "
+                         "(e.g. attention='local', window=64)")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"GPTConfig.window={window!r}: must be a positive integer")
+
+
+FORM = Form(attend=attend, init_cache=init_cache, check=check, keys=("window",))

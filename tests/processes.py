@@ -1,0 +1,31 @@
+"""Other Python processes for tests: one with N CPU devices running a snippet, its result, and
+a free port for several processes on 127.0.0.1 to meet at."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def with_devices(code: str, *args, devices: int = 8) -> subprocess.Popen:
+    """`python -c code args…` with `devices` CPU devices and jaxgpt importable."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finished(process: subprocess.Popen, timeout: float = 180) -> str:
+    """Its standard output, stripped, once it has exited 0 (else its error's tail)."""
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-3000:]
+    return out.strip()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
