@@ -4,6 +4,7 @@
     python bench/bench_train.py --recipe        # also the full CPU recipe: val loss at step 2000
     python bench/bench_train.py --loop 3        # train.py's steady tokens/s against the step-only rate
     python bench/bench_train.py --prefetch 3    # the step-only rate with the loader against one batch reused
+    python bench/bench_train.py --matmul 5      # the CPU's matmul backward (ops.dot_general) against XLA's
 
 Each shape runs in its own process (so peak RSS is its own): the jitted train step of
 jaxgpt.training, as train.py runs it, on real Tiny Shakespeare batches from jaxgpt.data with
@@ -162,6 +163,30 @@ def compare_loop(pairs: int, child) -> None:
           f"{'ok' if ratio >= 0.95 else 'MISSED'})")
 
 
+def xla_gradient() -> dict:
+    """The CPU recipe's step-only rate with ops.linear's matmuls differentiated by XLA itself
+    (jax.lax.dot_general), in place of the 2-D matmuls with the written-out backward that
+    ops.dot_general uses on a CPU: what that workaround is worth on this machine."""
+    import jax
+
+    from jaxgpt import ops
+
+    ops.linear = lambda x, w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+    return measure("cpu_recipe")
+
+
+def compare_matmul(pairs: int, child) -> None:
+    """ops.dot_general's CPU backward against XLA's own gradient, alternating."""
+    import statistics
+
+    ratios = []
+    for _ in range(pairs):
+        written, xla = child("cpu_recipe")["ms_per_step"], child("xla_gradient")["ms_per_step"]
+        ratios.append(written / xla)
+        print(f"cpu_recipe: written-out backward {written:.1f} ms/step, XLA's gradient {xla:.1f} ms/step")
+    print(f"written-out / XLA's: {statistics.median(ratios):.3f} of the step time (median of {pairs})")
+
+
 def compare_prefetch(pairs: int, child) -> None:
     """The step-only rate with batches made ahead by the loader's thread (as train.py) against
     one device-resident batch reused with no loader running, alternating: what prefetching
@@ -178,16 +203,20 @@ def compare_prefetch(pairs: int, child) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe", "loop", "one_batch"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe", "loop", "one_batch", "xla_gradient"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--recipe", action="store_true", help="also train the CPU recipe for 2000 steps")
     parser.add_argument("--shapes", nargs="*", default=sorted(SHAPES))
     parser.add_argument("--loop", type=int, default=0, metavar="PAIRS",
                         help="also time train.py's loop against the step-only rate, PAIRS times each")
     parser.add_argument("--prefetch", type=int, default=0, metavar="PAIRS",
                         help="also time the step-only rate with the prefetching loader against one batch reused")
+    parser.add_argument("--matmul", type=int, default=0, metavar="PAIRS",
+                        help="also time the CPU recipe's step with XLA's own matmul gradient against ops.dot_general's")
     args = parser.parse_args()
     if args.child:
-        children = {"recipe": recipe, "loop": loop, "one_batch": lambda: measure("cpu_recipe", prefetch=False)}
+        children = {"recipe": recipe, "loop": loop, "one_batch": lambda: measure("cpu_recipe", prefetch=False),
+                    "xla_gradient": xla_gradient}
         print(json.dumps(children[args.child]() if args.child in children else measure(args.child)))
         return
 
@@ -215,6 +244,8 @@ def main() -> None:
         compare_loop(args.loop, child)
     if args.prefetch:
         compare_prefetch(args.prefetch, child)
+    if args.matmul:
+        compare_matmul(args.matmul, child)
     if args.recipe:
         r = child("recipe")
         print(f"CPU recipe, 2000 steps: val loss {r['val_loss']:.4f} (nanoGPT: 1.886; target ≤ 1.89: "

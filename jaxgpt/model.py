@@ -53,7 +53,11 @@ def embedding_std(cfg: GPTConfig) -> float:
 class Linear(nn.Module):
     """y = x W + b, with W of shape (input dims…, output dims…) as Flax's DenseGeneral has it;
     the input dims are the last `n_in` axes of x. Computed as one 2-D matmul (ops.linear).
-    W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual)."""
+    W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual).
+
+    With compute.weights="int8" W is read as kernel_q (output dims…, input dims…) int8 and
+    kernel_scale (output dims…): W ≈ dequantize(kernel_q, kernel_scale)ᵀ (ops.int8_linear);
+    such params come from jaxgpt.quantize, not from init."""
 
     features: tuple
     cfg: GPTConfig
@@ -66,15 +70,44 @@ class Linear(nn.Module):
     def __call__(self, x):
         cfg, dtype, param_dtype = self.cfg, self.compute.compute_dtype, self.compute.params_dtype
         in_shape, out_shape = x.shape[x.ndim - self.n_in:], tuple(self.features)
-        std = kernel_std(cfg, math.prod(in_shape), self.residual)
-        kernel = self.param("kernel", normal(std), (*in_shape, *out_shape), param_dtype)
         batch = x.shape[: x.ndim - self.n_in]
         x2 = x.reshape(*batch, math.prod(in_shape)).astype(dtype)
-        w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(dtype)
-        y = ops.linear(x2, w2).reshape(*batch, *out_shape)
+        if self.compute.weights == "int8":
+            q = self.param("kernel_q", nn.initializers.zeros, (*out_shape, *in_shape), jnp.int8)
+            scale = self.param("kernel_scale", nn.initializers.ones, out_shape, jnp.float32)
+            rows = x2.reshape(-1, x2.shape[-1])
+            y = ops.int8_linear(rows, q.reshape(scale.size, -1), scale.reshape(-1)).reshape(*batch, *out_shape)
+        else:
+            std = kernel_std(cfg, math.prod(in_shape), self.residual)
+            kernel = self.param("kernel", normal(std), (*in_shape, *out_shape), param_dtype)
+            w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(dtype)
+            y = ops.linear(x2, w2).reshape(*batch, *out_shape)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, out_shape, param_dtype).astype(dtype)
         return y
+
+
+class Int8Embed(nn.Module):
+    """The token embedding with compute.weights="int8": E ≈ q·s row by row (ops.quantize, q
+    (V, d) int8, s (V,)), so E[x] = q[x]·s[x], and the tied unembedding x Eᵀ is
+    ops.int8_linear(x, q, s). Params embedding_q and embedding_scale, from jaxgpt.quantize."""
+
+    num_embeddings: int
+    features: int
+    dtype: jnp.dtype
+
+    def setup(self):
+        shape = (self.num_embeddings, self.features)
+        self.embedding_q = self.param("embedding_q", nn.initializers.zeros, shape, jnp.int8)
+        self.embedding_scale = self.param("embedding_scale", nn.initializers.ones, shape[:1], jnp.float32)
+
+    def __call__(self, tokens):
+        rows = ops.dequantize(jnp.take(self.embedding_q, tokens, axis=0), jnp.take(self.embedding_scale, tokens))
+        return rows.astype(self.dtype)
+
+    def attend(self, x):
+        rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        return ops.int8_linear(rows, self.embedding_q, self.embedding_scale).reshape(*x.shape[:-1], -1)
 
 
 class LayerNorm(nn.Module):
@@ -249,8 +282,11 @@ class GPT(nn.Module):
         deterministic = deterministic or not self.has_rng("dropout")
         positions, where, cache = locate(tokens, cache, positions, segments)
         init, dtypes = normal(embedding_std(cfg)), (compute.compute_dtype, compute.params_dtype)
-        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtypes[0], param_dtype=dtypes[1],
-                       name="wte")
+        if compute.weights == "int8":
+            wte = Int8Embed(cfg.vocab_size, cfg.d_model, dtypes[0], name="wte")
+        else:
+            wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtypes[0], param_dtype=dtypes[1],
+                           name="wte")
         x = SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, init, dtypes)
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
@@ -258,7 +294,8 @@ class GPT(nn.Module):
 
         x = make_norm(cfg, compute, "ln_f")(x)
         if cfg.tie_embeddings:  # W_U = Eᵀ
-            logits = ops.linear(x.astype(dtypes[0]), wte.embedding.T.astype(dtypes[0]))
+            logits = (wte.attend(x) if compute.weights == "int8"
+                      else ops.linear(x.astype(dtypes[0]), wte.embedding.T.astype(dtypes[0])))
         else:
             logits = Linear((cfg.vocab_size,), cfg, compute, use_bias=False, name="lm_head")(x)
         if cfg.logits_bias:  # b_U

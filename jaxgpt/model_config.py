@@ -31,6 +31,7 @@ INITS = ("gpt2", "he", "small")
 # forms (jaxgpt.attention.FORMS) and kernels (jaxgpt.attention.kernels.KERNELS); a new entry
 # there is valid here at once.
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+WEIGHTS = ("float", "int8")  # how the weight matrices are stored: in param_dtype, or int8 with scales
 # the compute section's keys that older run directories kept in the model section, and the
 # kernels they named in model.attention
 COMPUTE_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
@@ -164,8 +165,9 @@ class GPTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ComputeConfig:
-    """How a model runs here (config.compute): none of it changes the function it computes,
-    so a run may resume, and a run directory may be sampled, with any of it.
+    """How a model runs here (config.compute): none of it changes the function it computes
+    (but for rounding, and int8 weights' quantisation), so a run may resume, and a run
+    directory may be sampled, with any of it.
 
     kernel: the softmax attention kernel (jaxgpt.attention.kernels): explicit = ops.attention;
       blocked = the same in query blocks that skip the keys the causal mask hides; xla /
@@ -175,6 +177,12 @@ class ComputeConfig:
       in (training: also the optimizer's; sampling: the weights are cast to it once).
     scan_layers: the blocks as one nn.scan over params stacked on a leading axis (one block
       compiled whatever n_layer is); model.layers_as converts params between the layouts.
+    weights: "float" keeps every parameter in param_dtype. "int8" is weight-only quantisation
+      for inference: each weight matrix (the Linear kernels and the token embedding, which is
+      also the tied unembedding) is int8 with a float32 scale per output channel (ops.quantize),
+      a quarter of float32's bytes to read per token; the rest stays in param_dtype. It
+      approximates the function (within half a quantisation step per weight), so training
+      refuses it; jaxgpt.quantize.params_for makes such params from float ones.
     """
 
     kernel: str = "explicit"

@@ -321,3 +321,50 @@ def cross_entropy(logits, targets, mask=None, count=None):
 def perplexity(loss):
     """PPL = exp(L)."""
     return jnp.exp(loss)
+
+
+# --- weight-only int8 quantisation (inference) ---------------------------------------------
+# A matrix is kept outputs first, W (*out, *in), as the token embedding E (V, d) already is
+# for the unembedding: each output channel o is one contiguous row W_o.
+
+INT8_MAX = 127
+
+
+def quantize(w, n_in: int = 1):
+    """Symmetric per-output-channel int8 quantisation of W (*out, *in), its last n_in axes the
+    inputs: s_o = max_i |W_oi| / 127 (1 for an all-zero channel), q_oi = round(W_oi / s_o) ∈
+    [−127, 127]. Returns (q int8 (*out, *in), s float32 (*out)): |q_oi·s_o − W_oi| ≤ s_o/2."""
+    w32 = w.astype(jnp.float32)
+    inputs = tuple(range(w.ndim - n_in, w.ndim))
+    peak = jnp.max(jnp.abs(w32), axis=inputs)
+    scale = jnp.where(peak > 0, peak / INT8_MAX, 1.0)
+    q = jnp.round(w32 / scale.reshape(*scale.shape, *(1,) * n_in))
+    return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
+def dequantize(q, scale):
+    """W_oi ≈ q_oi · s_o for q (*out, *in) and s (*out), in float32."""
+    return q.astype(jnp.float32) * scale.reshape(*scale.shape, *(1,) * (q.ndim - scale.ndim)).astype(jnp.float32)
+
+
+# The rows of an int8 matrix that one fused product reads on a CPU (as float32, 1 MiB).
+INT8_CHUNK_ELEMENTS = 1 << 18
+
+
+def int8_linear(x, q, scale):
+    """y = x Wᵀ with W = dequantize(q, s), for x (N, n), q (m, n), s (m,): y_o = s_o Σ_i x_i q_oi,
+    'Nn,mn->Nm', accumulated in float32 and returned in x's dtype.
+
+    On a CPU, XLA converts a whole int8 operand of a dot to float32 before the dot, so each
+    decoding step would write and read a float32 copy of every matrix. Here the rows are
+    taken a chunk at a time: XLA fuses the conversion of a slice into a matrix-vector product,
+    which then reads the int8 bytes themselves."""
+    def product(x, q):  # int8 values are exact in any float dtype
+        return jax.lax.dot_general(x, q.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def on_cpu(x, q):
+        x, step = x.astype(jnp.float32), max(1, INT8_CHUNK_ELEMENTS // q.shape[1])
+        return jnp.concatenate([product(x, q[start:start + step]) for start in range(0, q.shape[0], step)], axis=1)
+
+    y = jax.lax.platform_dependent(x, q, cpu=on_cpu, default=product)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
