@@ -9,6 +9,11 @@ Loads the run's config, tokenizer and best (else latest) checkpoint, then prints
 before each new token, the K most likely next tokens under the model. Generation stops at
 the tokenizer's <|eos|>. The work is done by jaxgpt.sampling, jaxgpt.beam and jaxgpt.text.
 
+How the model runs is chosen here, whatever the run was trained with: --param_dtype
+bfloat16 keeps the weights in bfloat16, --weights int8 quantises each weight matrix to int8
+with a scale per output channel (a quarter of float32's bytes read per token), --dtype sets
+the matmuls' dtype and --kernel the attention kernel.
+
 Records runs: --record '{"question": "1+2"}' formats the prompt as training formatted the
 record's (the run's data.records.template, or its prompt_template; for chat, the earlier turns with
 their completions and <|eos|>, then "Assistant: ") and prints only the completion. --template
@@ -29,10 +34,14 @@ import jax
 from absl import logging as absl_logging
 
 from jaxgpt import beam, convert, sampling, viz
+from jaxgpt.attention.kernels import KERNELS
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
+from jaxgpt.config import ComputeConfig
 from jaxgpt.data.records import PRESETS
 from jaxgpt.errors import tidy_cli_output
+from jaxgpt.model_config import DTYPES, WEIGHTS
+from jaxgpt.quantize import params_for
 from jaxgpt.run import load_run
 from jaxgpt.text import TextStream, encode_prompt, format_next_tokens
 
@@ -73,7 +82,21 @@ def parse_args(argv):
                         help="also draw the prompt's attention weights, one heatmap per head, to this PNG")
     parser.add_argument("--attention_layer", type=int, default=0,
                         help="the layer --attention_png draws, from 0 (default 0; -1 the last)")
+    compute = parser.add_argument_group("how the model runs here (config.compute)")
+    compute.add_argument("--param_dtype", choices=DTYPES, default="float32",
+                         help="the dtype the params are kept in (default float32)")
+    compute.add_argument("--dtype", choices=DTYPES, help="the dtype the matmuls compute in (default: --param_dtype)")
+    compute.add_argument("--weights", choices=WEIGHTS, default="float",
+                         help="int8: weight-only quantisation, a scale per output channel (default float)")
+    compute.add_argument("--kernel", choices=sorted(KERNELS), default="explicit",
+                         help="the attention kernel (default explicit)")
     return parser.parse_args(argv)
+
+
+def compute_settings(args) -> ComputeConfig:
+    """The compute config the arguments ask to sample with."""
+    return ComputeConfig(kernel=args.kernel, dtype=args.dtype or args.param_dtype, param_dtype=args.param_dtype,
+                         weights=args.weights)
 
 
 def check_args(args) -> None:
@@ -83,6 +106,11 @@ def check_args(args) -> None:
         raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
     if args.calibrated and args.run_dir is None:
         raise ValueError("--calibrated uses the temperature eval.py --calibration fitted for a run: give --run_dir")
+    if args.attention_png and args.weights != "float":
+        raise ValueError("--attention_png draws the float model's attention: drop --weights int8 (or --attention_png)")
+    if args.kernel == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(f"--kernel cudnn needs a CUDA GPU, but JAX sees only {jax.default_backend()} devices: use "
+                         "--kernel xla or explicit (the model computes the same)")
     for name in ("num_samples", "max_new_tokens", "show_probs", "beams"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -104,24 +132,29 @@ def templated(args) -> bool:
 
 
 def check_record_args(args) -> None:
-    """--record's JSON (parsed into args.fields) and --template."""
-    args.fields = None
+    """--record's JSON and --template."""
     if args.template is not None and args.template not in (*PRESETS, RUN_TEMPLATE):
         raise ValueError(f"--template {args.template!r} is not a preset: choose one of {', '.join(PRESETS)}, or "
                          f"{RUN_TEMPLATE!r} for the run's own")
     if templated(args) and args.hf_dir is not None and args.template in (None, RUN_TEMPLATE):
         raise ValueError(f"a Hugging Face model has no records template of its own: name a preset with --template "
                          f"({', '.join(PRESETS)})")
+    record_fields(args)
+
+
+def record_fields(args) -> dict | None:
+    """The fields of --record's JSON object (None without --record); ValueError for anything else."""
     if args.record is None:
-        return
+        return None
     try:
-        args.fields = json.loads(args.record)
+        fields = json.loads(args.record)
     except json.JSONDecodeError as err:
         raise ValueError(f"--record is not valid JSON ({err.msg} at character {err.pos}): give one object, e.g. "
                          """--record '{"question": "1+2"}'""") from None
-    if not isinstance(args.fields, dict):
+    if not isinstance(fields, dict):
         raise ValueError(f"--record must be a JSON object of fields, e.g. '{{\"question\": \"1+2\"}}', not a "
-                         f"JSON {type(args.fields).__name__}")
+                         f"JSON {type(fields).__name__}")
+    return fields
 
 
 def prompt_ids(args, tokenizer, text: str | None) -> tuple[str, list[int]]:
@@ -133,7 +166,9 @@ def prompt_ids(args, tokenizer, text: str | None) -> tuple[str, list[int]]:
     if (args.template or RUN_TEMPLATE) == RUN_TEMPLATE:
         data = json.loads((Path(args.run_dir) / "config.json").read_text(encoding="utf-8")).get("data", {})
     forms = templates_named(args.template or RUN_TEMPLATE, data)
-    fields = args.fields if args.fields is not None else prompt_record(forms, text)
+    fields = record_fields(args)
+    if fields is None:
+        fields = prompt_record(forms, text)
     return "", record_prompt(forms, fields, tokenizer)[1]
 
 
@@ -185,28 +220,32 @@ def calibrated_temperature(run_dir: Path) -> float:
             from None
 
 
-def sampling_options(args, **more) -> sampling.SamplingOptions:
-    """The arguments' SamplingOptions (ValueError for impossible ones), with `more` fields."""
+def sampling_options(args, temperature_scale: float = 1.0, **more) -> sampling.SamplingOptions:
+    """The arguments' SamplingOptions (ValueError for impossible ones), their temperature times
+    temperature_scale (--calibrated's T*), with `more` fields."""
     default = 0.0 if templated(args) else 1.0
-    temperature = (default if args.temperature is None else args.temperature) * getattr(args, "calibrated_t", 1.0)
+    temperature = (default if args.temperature is None else args.temperature) * temperature_scale
     return sampling.SamplingOptions(args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                                     **more)
 
 
-def print_samples(args, params, config, tokenizer, prompt: str, ids: list[int]) -> None:
+def print_samples(args, params, config, tokenizer, prompt: str, ids: list[int], compute: ComputeConfig,
+                  temperature_scale: float) -> None:
     key = jax.random.key(args.seed)
     show_probs = args.show_probs is not None
-    options = sampling_options(args, eos_id=tokenizer.eos_id, top_logprobs=min(args.show_probs or 0, config.vocab_size))
+    options = sampling_options(args, temperature_scale, eos_id=tokenizer.eos_id,
+                               top_logprobs=min(args.show_probs or 0, config.vocab_size))
     if args.stream:
         for i in range(args.num_samples):
             # One row at a time, with the key that row i of a batch would have: the same samples.
-            steps = sampling.stream(params, config, [ids], jax.random.fold_in(key, i)[None], options)
+            steps = sampling.stream(params, config, [ids], jax.random.fold_in(key, i)[None], options, compute=compute)
             records = ((s.token[0], row_of(s.top_ids, 0), row_of(s.top_logprobs, 0)) for s in steps)
             if i:
                 print(DIVIDER)
             print_sample(tokenizer, prompt, ids, records, stream=True, show_probs=show_probs)
         return
-    result = jax.device_get(sampling.generate(params, config, [ids] * args.num_samples, key, options))
+    result = jax.device_get(sampling.generate(params, config, [ids] * args.num_samples, key, options,
+                                              compute=compute))
     for i, new in enumerate(result.new_tokens()):
         top_ids, top_logprobs = row_of(result.top_ids, i), row_of(result.top_logprobs, i)
         records = ((token, row_of(top_ids, step), row_of(top_logprobs, step)) for step, token in enumerate(new))
@@ -215,9 +254,10 @@ def print_samples(args, params, config, tokenizer, prompt: str, ids: list[int]) 
         print_sample(tokenizer, prompt, ids, records, stream=False, show_probs=show_probs)
 
 
-def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int]) -> None:
+def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int], compute: ComputeConfig) -> None:
     beams = jax.device_get(beam.beam_search(params, config, ids, num_beams=args.beams,
-                                            max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_id))
+                                            max_new_tokens=args.max_new_tokens, eos_id=tokenizer.eos_id,
+                                            compute=compute))
     for i in range(args.num_samples):
         if i:
             print(DIVIDER)
@@ -225,17 +265,24 @@ def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int]) ->
         print(prompt + tokenizer.decode(beams.tokens[i, len(ids):beams.lengths[i]]))
 
 
+def load_model(args, compute: ComputeConfig):
+    """(params as compute reads them, config, tokenizer) of --run_dir or --hf_dir."""
+    if args.run_dir is not None:
+        return load_run(args.run_dir, step=args.step, compute=compute)
+    params, config, tokenizer = convert.load_hf_run(args.hf_dir)
+    return params_for(params, config, compute), config, tokenizer
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     tidy_cli_output()
     try:
         check_args(args)
+        compute = compute_settings(args)
         text = read_prompt(args) if args.record is None else None
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
-        params, config, tokenizer = (load_run(args.run_dir, step=args.step) if args.run_dir is not None
-                                     else convert.load_hf_run(args.hf_dir))
-        if args.calibrated:
-            args.calibrated_t = calibrated_temperature(Path(args.run_dir))
+        params, config, tokenizer = load_model(args, compute)
+        temperature_scale = calibrated_temperature(Path(args.run_dir)) if args.calibrated else 1.0
         prompt, ids = prompt_ids(args, tokenizer, text)
         if args.attention_png:
             viz.draw_attention(params, config, tokenizer, ids, args.attention_png, layer=args.attention_layer,
@@ -244,9 +291,9 @@ def main(argv=None) -> int:
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
     if args.beams is None:
-        print_samples(args, params, config, tokenizer, prompt, ids)
+        print_samples(args, params, config, tokenizer, prompt, ids, compute, temperature_scale)
     else:
-        print_beams(args, params, config, tokenizer, prompt, ids)
+        print_beams(args, params, config, tokenizer, prompt, ids, compute)
     return 0
 
 

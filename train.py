@@ -55,6 +55,10 @@ def main(argv) -> int:
 
     try:
         sharding.start_jax(config)  # before JAX's first operation: CPU devices, hosts
+        if config.compile_only:  # compile the steps for these devices and report, nothing allocated
+            from jaxgpt import compile as ahead
+
+            return ahead.print_and_check(ahead.report(config))
         result = run.train(config)
     except (ValueError, OSError, run.TrainingError, CheckpointError) as error:
         fail(one_line(error, limit=2000))

@@ -1,6 +1,8 @@
-"""Generation speed: the KV cache against naive recomputation, side by side.
+"""Generation speed: the KV cache against naive recomputation, and narrow weights against
+float32 and transformers, side by side.
 
-    python bench/bench_sample.py [--shapes cpu baby] [--batches 1 16] [--new_tokens 500]
+    python bench/bench_sample.py [--parts cache weights] [--shapes cpu baby] [--batches 1 16]
+                                 [--new_tokens 500] [--gpt2_tokens 128] [--rounds 5] [--run_dir RUN]
 
 For each model shape and batch size, --new_tokens tokens per row are drawn (temperature 1,
 no EOS) from a one-token prompt with `jaxgpt.sampling.generate` (the KV cache) and with
@@ -14,13 +16,27 @@ context (block_size − 1 new tokens), where every cached token costs one positi
 Past block_size every new token needs one pass over the block_size-token window, with or
 without the cache (see jaxgpt/decoding.py), so the table ends with the speed that bound
 allows at the measured matmul peak of this machine.
+
+Narrow weights (--parts weights): GPT-2 124M (random weights) decodes greedily at batch 1
+from an 8-token prompt, --gpt2_tokens new tokens, with jaxgpt in float32, bfloat16
+(ComputeConfig(param_dtype="bfloat16", dtype="bfloat16")) and int8 weights
+(ComputeConfig(weights="int8")), and with transformers' GPT2LMHeadModel in float32 and
+bfloat16: --rounds rounds, each timing every sampler once in turn, medians, ratios to
+jaxgpt float32. Then the greedy tokens of a trained model (--run_dir, or a character model
+train.py trains on the stdlib source in about a minute) in bfloat16 and int8 against
+float32 over the first 64 new tokens, with float32's margin between its two likeliest
+tokens where a row first differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,8 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from jaxgpt import GPT, GPTConfig, flops_per_token, sampling  # noqa: E402
+from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, sampling  # noqa: E402
+from jaxgpt.quantize import params_for  # noqa: E402
+from jaxgpt.run import load_run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {
     # nanoGPT's shakespeare_char CPU recipe and its "baby GPT" GPU recipe
@@ -140,13 +161,8 @@ def window_flops(cfg: GPTConfig) -> float:
     return cfg.block_size * flops_per_token(cfg, cfg.block_size) / 3
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["cpu", "baby"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    parser.add_argument("--new_tokens", type=int, default=500)
-    args = parser.parse_args(argv)
-    jax.monitoring.register_event_duration_secs_listener(count_compile_time)
+def cache_table(args) -> None:
+    """The KV cache against naive recomputation: the table, the ratios and the targets."""
 
     rows, speeds = [], {}
     for shape in args.shapes:
@@ -200,6 +216,163 @@ def main(argv=None) -> None:
             verdict = "met" if ratio >= BABY_SPEEDUP_TARGET else "missed"
             print(f"target cache ≥ {BABY_SPEEDUP_TARGET:.0f}× naive, baby GPT, batch {batch}, "
                   f"{args.new_tokens} new: {ratio:.1f}× ({verdict})")
+
+
+
+
+# --- narrow weights: GPT-2 124M, greedy, batch 1, against float32 and transformers ------------
+
+GPT2 = GPTConfig()  # GPT-2 small: 12 layers, d_model 768, vocab 50257
+GPT2_PROMPT = list(range(1, 9))
+NARROW = {
+    "float32": ComputeConfig(),
+    "bfloat16": ComputeConfig(dtype="bfloat16", param_dtype="bfloat16"),
+    "int8": ComputeConfig(weights="int8"),
+}
+WEIGHTS_TARGET = 1.8  # narrow weights' tokens/s over jaxgpt float32's, GPT-2 124M, batch 1
+AGREEMENT_NEW = 64
+AGREEMENT_TARGET = 60  # greedy tokens equal to float32's, of the first AGREEMENT_NEW
+AGREEMENT_PROMPTS = ("\n", "The ", "def ", "import ", "    return ", "KING ", "class ", "What ")
+
+
+def jaxgpt_sampler(params, compute: ComputeConfig, new_tokens: int):
+    """Greedy generation of new_tokens from GPT2_PROMPT with `compute`, compiled by a first call."""
+    narrow = params_for(params, GPT2, compute)
+
+    def sample():
+        result = sampling.generate(narrow, GPT2, [GPT2_PROMPT], 0, max_new_tokens=new_tokens, temperature=0.0,
+                                   compute=compute)
+        return jax.block_until_ready(result.tokens)
+
+    sample()
+    return sample
+
+
+def transformers_samplers(new_tokens: int) -> dict:
+    """transformers' GPT2LMHeadModel (random weights) in float32 and bfloat16, greedy, with its
+    KV cache, exactly new_tokens new tokens; {} when transformers is not installed."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return {}
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    ids = torch.tensor([GPT2_PROMPT])
+
+    def sampler(net):
+        def sample():
+            with torch.inference_mode():
+                return net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+        sample()
+        return sample
+
+    return {"float32": sampler(model), "bfloat16": sampler(copy.deepcopy(model).to(torch.bfloat16))}
+
+
+def interleaved_speeds(samplers: dict, new_tokens: int, rounds: int) -> dict:
+    """Median new tokens/s of each sampler over `rounds` rounds that call every one in turn."""
+    seconds = {name: [] for name in samplers}
+    for _ in range(rounds):
+        for name, sample in samplers.items():
+            start = time.perf_counter()
+            sample()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: new_tokens / statistics.median(times) for name, times in seconds.items()}
+
+
+def weights_table(args) -> None:
+    """GPT-2 124M at batch 1: jaxgpt float32, bfloat16, int8 and transformers float32, bfloat16."""
+    params = init_params(GPT2)
+    samplers = {("jaxgpt", name): jaxgpt_sampler(params, compute, args.gpt2_tokens) for name, compute in NARROW.items()}
+    for name, sample in transformers_samplers(args.gpt2_tokens).items():
+        samplers["transformers", name] = sample
+    print("  compiled and warmed up; timing", file=sys.stderr, flush=True)
+    speeds = interleaved_speeds(samplers, args.gpt2_tokens, args.rounds)
+    base = speeds["jaxgpt", "float32"]
+    print(f"\nGPT-2 124M (random weights), greedy, batch 1, {len(GPT2_PROMPT)}-token prompt, {args.gpt2_tokens} new "
+          f"tokens: medians of {args.rounds} interleaved rounds")
+    print(f"{'peer':<13} {'weights':<9} {'tok/s':>7} {'× jaxgpt float32':>17}")
+    for (peer, name), speed in speeds.items():
+        print(f"{peer:<13} {name:<9} {speed:>7.1f} {speed / base:>17.2f}")
+    for name in ("bfloat16", "int8"):
+        ratio = speeds["jaxgpt", name] / base
+        verdict = "met" if ratio >= WEIGHTS_TARGET else "missed"
+        print(f"target jaxgpt {name} ≥ {WEIGHTS_TARGET}× jaxgpt float32: {ratio:.2f}× ({verdict})")
+
+
+def trained_run(run_dir: str | None) -> Path:
+    """The run to check agreement on: run_dir, or nanoGPT's CPU character recipe trained by
+    train.py on the stdlib source into a temporary directory (about a minute)."""
+    if run_dir is not None:
+        return Path(run_dir)
+    directory = Path(tempfile.mkdtemp(prefix="bench_sample_"))
+    print(f"  training a character model in {directory}", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, str(ROOT / "train.py"), "--config=configs/shakespeare_char_cpu.py",
+                    "--config.data.source=stdlib", f"--config.run_dir={directory / 'run'}",
+                    f"--config.data.cache_dir={directory / 'cache'}"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return directory / "run"
+
+
+def greedy_rows(run_dir: Path, compute: ComputeConfig, prompts: list[str]):
+    """(the first AGREEMENT_NEW greedy tokens of each prompt, their top-2 logprobs) with `compute`."""
+    params, cfg, tokenizer = load_run(run_dir, compute=compute)
+    result = jax.device_get(sampling.generate(params, cfg, [tokenizer.encode(p) for p in prompts], 0,
+                                              max_new_tokens=AGREEMENT_NEW, temperature=0.0, compute=compute,
+                                              top_logprobs=2))
+    return [row[:AGREEMENT_NEW] for row in result.new_tokens()], result.top_logprobs
+
+
+def encodes(tokenizer, text: str) -> bool:
+    """Whether the tokenizer encodes text and decodes it back as it was."""
+    try:
+        return tokenizer.decode(tokenizer.encode(text)) == text
+    except ValueError:
+        return False
+
+
+def agreement_table(run_dir: str | None) -> None:
+    """How many of the first 64 greedy tokens bfloat16 and int8 share with float32, per prompt."""
+    run = trained_run(run_dir)
+    tokenizer = load_run(run)[2]
+    prompts = [prompt for prompt in AGREEMENT_PROMPTS if encodes(tokenizer, prompt)]
+    (want, top), rows = greedy_rows(run, NARROW["float32"], prompts), []
+    for name in ("bfloat16", "int8"):
+        got, _ = greedy_rows(run, NARROW[name], prompts)
+        for i, prompt in enumerate(prompts):
+            differ = np.nonzero(got[i] != want[i])[0]
+            margin = "—" if not len(differ) else f"{top[i, differ[0], 0] - top[i, differ[0], 1]:.4f}"
+            rows.append((name, repr(prompt), int((got[i] == want[i]).sum()), margin))
+    print(f"\ngreedy agreement with float32 over the first {AGREEMENT_NEW} new tokens, trained run {run}")
+    print(f"{'weights':<9} {'prompt':<14} {'equal':>5}  float32's top-2 logprob margin where it first differs")
+    for name, prompt, equal, margin in rows:
+        print(f"{name:<9} {prompt:<14} {equal:>5}  {margin}")
+    for name in ("bfloat16", "int8"):
+        counts = [equal for n, _, equal, _ in rows if n == name]
+        met = sum(count >= AGREEMENT_TARGET for count in counts)
+        print(f"target ≥ {AGREEMENT_TARGET}/{AGREEMENT_NEW} equal, {name}: {met} of {len(counts)} prompts")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=["cache", "weights"], default=["cache", "weights"])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["cpu", "baby"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--new_tokens", type=int, default=500)
+    parser.add_argument("--gpt2_tokens", type=int, default=128, help="new tokens per GPT-2 124M sample")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the GPT-2 124M samplers")
+    parser.add_argument("--run_dir", help="a trained run for the agreement check (default: train one)")
+    args = parser.parse_args(argv)
+    jax.monitoring.register_event_duration_secs_listener(count_compile_time)
+    if "cache" in args.parts:
+        cache_table(args)
+    if "weights" in args.parts:
+        weights_table(args)
+        agreement_table(args.run_dir)
 
 
 if __name__ == "__main__":

@@ -431,6 +431,8 @@ def default_config() -> ConfigDict:
         # (~/.cache/jaxgpt/xla, or $JAX_COMPILATION_CACHE_DIR), 'off', or a directory
         "compilation_cache": "auto",
         "resume": "auto",  # auto | never | must
+        # compile the steps for the local devices and report their memory and cost, then exit (jaxgpt.compile)
+        "compile_only": False,
     })
 
 

@@ -190,9 +190,11 @@ class ComputeConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     scan_layers: bool = False
+    weights: str = "float"
 
     def __post_init__(self):
         _check_choice("ComputeConfig", "kernel", self.kernel, KERNEL_FUNCTIONS)
+        _check_choice("ComputeConfig", "weights", self.weights, WEIGHTS)
         for name in ("dtype", "param_dtype"):
             _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
         for name in ("remat", "scan_layers"):

@@ -38,7 +38,7 @@ from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import GPT, flops_per_token, layers_as, param_count
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
-from jaxgpt.training import TrainState, abstract_state, initialise_into, make_train_step, seeded
+from jaxgpt.training import TrainState, abstract_state, batch_fields, initialise_into, make_train_step, seeded
 
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train"]
 
@@ -91,6 +91,9 @@ def compute_config(config) -> ComputeConfig:
     if compute.kernel == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"compute.kernel='cudnn' needs a CUDA GPU, but JAX sees only {jax.default_backend()} "
                           "devices: use --config.compute.kernel=xla or explicit (the model computes the same)")
+    if compute.weights != "float":
+        raise ConfigError(f"compute.weights={compute.weights!r} is weight-only quantisation for inference (sample.py "
+                          "--weights int8): train with compute.weights='float'")
     return compute
 
 
@@ -239,20 +242,19 @@ def _restore(run: Run, optimizer, abstract: TrainState) -> tuple[TrainState, int
     return TrainState.from_dict(jax.device_put(layers_as(restored, run.compute.scan_layers), shardings)), step
 
 
-def lower_train_step(run: Run, optimizer, abstract: TrainState):
-    """train_step(state, batch, seed) lowered for the run's state (`abstract`: shapes, dtypes
-    and shardings) and batches, ready to compile. The step's dropout key, fold_in(key(seed),
-    state.step), is made inside it, so the loop runs one program per step and nothing else."""
-    batches = sharding.batch_sharding(run.mesh)
-    rows = run.train.grad_accum * run.train.batch_size
-    one_row = _batch_maker(run)(0, slice(0, 1))  # its fields' shapes and dtypes
-    batch = tuple(jax.ShapeDtypeStruct((rows, *a.shape[1:]), jax.dtypes.canonicalize_dtype(a.dtype), sharding=batches)
-                  for a in one_row)
+def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, abstract: TrainState, packed: bool):
+    """train_step(state, batch, seed) lowered for the state `abstract` (shapes, dtypes and
+    shardings) and batches of train_cfg's rows (packed: records' rows, else text windows),
+    ready to compile; train.py and jaxgpt.compile both build it here. The step's dropout key,
+    fold_in(key(seed), state.step), is made inside it: the loop runs one program per step."""
+    batches = sharding.batch_sharding(mesh)
+    fields = batch_fields(train_cfg.grad_accum * train_cfg.batch_size, gpt.cfg.block_size, packed)
+    batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=batches) for shape, dtype in fields)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    step = make_train_step(run.gpt, optimizer, learning_rate_schedule(run.train), run.train.grad_accum)
+    step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), train_cfg.grad_accum)
     jitted = jax.jit(seeded(step), in_shardings=(shardings, (batches,) * len(batch), None),
                      out_shardings=(shardings, None), donate_argnums=0)
-    return jitted.lower(abstract, batch, run.train.seed)
+    return jitted.lower(abstract, batch, train_cfg.seed)
 
 
 def _batch_maker(run: Run):
@@ -338,7 +340,7 @@ def _state_and_step(run: Run, optimizer) -> tuple[TrainState, int, Any]:
     left). XLA compiles the step in a thread while the state is made or restored: a first
     run waits for the longer of the two, not their sum."""
     abstract = abstract_state(run.gpt, optimizer, run.mesh)
-    lowered = lower_train_step(run, optimizer, abstract)
+    lowered = lower_train_step(run.gpt, run.train, run.mesh, optimizer, abstract, run.corpus.records)
     finished = run.resuming and max(run.checkpoints.steps(), default=0) >= run.train.steps
     with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
         compiling = None if finished else compiler.submit(lowered.compile)

@@ -29,6 +29,7 @@ from jaxgpt.config import RESUME, ComputeConfig, GPTConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.model import GPT, layers_as, unstack_layers
 from jaxgpt.model_config import split_model
+from jaxgpt.quantize import params_for
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -41,9 +42,10 @@ RUN_FIELDS = ("block_size", "dropout", "ffn_dropout")
 def load_run(run_dir, step: int | None = None, compute: ComputeConfig | None = None):
     """(params, config, tokenizer) of a training run: config.json, tokenizer.json and the
     params of the best checkpoint by validation loss (the latest if none was evaluated), or
-    of `step`, in the layout and param dtype of `compute` (default: per layer, float32),
-    whatever the run was trained with. Raises ValueError for a missing or malformed run
-    directory and jaxgpt.checkpoint.CheckpointError when it holds no usable checkpoint."""
+    of `step`, in the layout, param dtype and weights of `compute` (default: per layer,
+    float32; int8 weights quantised by jaxgpt.quantize), whatever the run was trained with.
+    Raises ValueError for a missing or malformed run directory and
+    jaxgpt.checkpoint.CheckpointError when it holds no usable checkpoint."""
     run_dir = Path(run_dir)
     saved, config, tokenizer = read_run(run_dir)
     compute = ComputeConfig() if compute is None else compute
@@ -55,8 +57,7 @@ def load_run(run_dir, step: int | None = None, compute: ComputeConfig | None = N
         params, _ = checkpoints.restore_params(abstract, step=step)
     finally:
         checkpoints.close()
-    params = jax.tree.map(lambda x: x.astype(compute.params_dtype), params)
-    return layers_as(params, compute.scan_layers), config, tokenizer
+    return params_for(params, config, compute), config, tokenizer
 
 
 def saved_compute(saved: dict) -> ComputeConfig:

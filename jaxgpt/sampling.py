@@ -29,6 +29,7 @@ import numpy as np
 from jaxgpt.config import ComputeConfig, GPTConfig, is_int, is_number
 from jaxgpt.decoding import check_reach, is_concrete, next_logits, prompt_batch, start_cache
 from jaxgpt.model import GPT
+from jaxgpt.quantize import check_params
 
 # --- the sampling maths: pure functions of logits (V,) or (..., V) ---------------------------
 
@@ -385,8 +386,9 @@ def generate(params, config: GPTConfig, prompts, key, options: SamplingOptions |
     options: a `SamplingOptions`, or instead its fields as keywords
       (`generate(params, cfg, prompts, key, max_new_tokens=20, temperature=0.8)`).
     compute: how the model runs here (kernel, compute dtype; default float32 and the
-      explicit kernel): any compute config samples any run. params are used as given: cast
-      them once beforehand for another param dtype.
+      explicit kernel): any compute config samples any run. params are used as given: make
+      them once beforehand in compute's param dtype and weights (load_run(..., compute=...)
+      or jaxgpt.quantize.params_for).
 
     One compiled program per batch size, prompt bucket and static choice (max_new_tokens,
     top_k, whether top_p is used, top_logprobs); temperature, top_p, eos_id and
@@ -395,6 +397,7 @@ def generate(params, config: GPTConfig, prompts, key, options: SamplingOptions |
     options = _options(options, option_fields)
     prompts, prompt_lengths, row_keys, longest, traced, program = _prepare(config, compute, prompts, key,
                                                                            prompt_lengths, options)
+    check_params(params, program.compute)
     result = _generate_program(params, prompts, prompt_lengths, row_keys, traced, program)
     if not options.return_logprobs:
         result = result.replace(logprobs=None)
@@ -415,6 +418,7 @@ def stream(params, config: GPTConfig, prompts, key, options: SamplingOptions | N
     options = _options(options, option_fields)
     prompts, prompt_lengths, row_keys, _, traced, program = _prepare(config, compute, prompts, key, prompt_lengths,
                                                                      options)
+    check_params(params, program.compute)
     return _steps(params, prompts, prompt_lengths, row_keys, traced, program, options.return_logprobs)
 
 

@@ -42,10 +42,12 @@ PARTITION_RULES = (
 STRICT_TENSOR = r"attn/kv_proj/(kernel|bias)$"
 
 
-def make_mesh(mesh_cfg) -> Mesh:
-    """A (data, fsdp, tensor) mesh from sizes in the config; one size may be −1 (= the rest)."""
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh from sizes in the config; one size may be −1 (= the rest).
+    Over `devices` (default: every device of JAX's processes), e.g. a TPU topology's for
+    compiling ahead of time (jaxgpt.compile)."""
     sizes = [int(mesh_cfg[axis]) for axis in AXES]
-    n = jax.device_count()
+    n = jax.device_count() if devices is None else len(devices)
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh {_named(sizes)}: at most one axis may be -1 (all remaining devices)")
     known = math.prod(s for s in sizes if s != -1)
@@ -57,7 +59,7 @@ def make_mesh(mesh_cfg) -> Mesh:
     sizes = [n // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != n:
         raise ValueError(f"mesh {_named(sizes)} uses {math.prod(sizes)} of {n} devices: make the product {n}")
-    return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def _named(sizes) -> dict[str, int]:

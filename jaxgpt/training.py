@@ -95,6 +95,14 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
     return train_step
 
 
+def batch_fields(rows: int, block_size: int, packed: bool = False) -> tuple[tuple[tuple[int, int], Any], ...]:
+    """(shape, dtype) of each field of a training batch of `rows` rows: (inputs, targets)
+    int32 windows of a text stream, or packed examples' (inputs, targets, mask, positions,
+    segments), the mask bool (jaxgpt.data.packing)."""
+    ints = ((rows, block_size), jnp.dtype(jnp.int32))
+    return (ints, ints, ((rows, block_size), jnp.dtype(bool)), ints, ints) if packed else (ints, ints)
+
+
 def seeded(train_step: Callable) -> Callable:
     """train_step(state, batch, seed) of a train_step(state, batch, key): the step's key is
     fold_in(key(seed), state.step), made inside the step's own program (a loop that made it

@@ -26,11 +26,11 @@ LAYERS = (
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("optim", "data", "model"),
-    ("training", "decoding", "convert"),
+    ("training", "decoding", "convert", "quantize"),
     ("evaluation", "sampling", "beam", "rundir"),
     ("text",),
     ("run", "completions"),
-    ("viz",),
+    ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
     ("analysis", "export", "sweep"),
     ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside
 )

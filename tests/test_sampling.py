@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from scripts import load_script
 from test_model import random_params as uncommitted_random_params
 
-from jaxgpt import GPTConfig, beam, sampling, tokenizers
+from jaxgpt import ComputeConfig, GPTConfig, beam, sampling, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.run import load_run
 from jaxgpt.text import generate_text
@@ -550,8 +550,26 @@ def test_sample_py_beams(cli, capsys, run_dir, loaded):
     np.testing.assert_allclose(beams.scores[0], log_p / len(new), rtol=1e-4)
 
 
+@pytest.mark.parametrize("flags, compute", [
+    (("--weights", "int8"), ComputeConfig(weights="int8")),
+    (("--param_dtype", "bfloat16", "--kernel", "xla"), ComputeConfig(kernel="xla", dtype="bfloat16",
+                                                                     param_dtype="bfloat16")),
+], ids=["int8", "bfloat16"])
+def test_sample_py_samples_with_the_compute_settings_it_is_given(cli, capsys, run_dir, flags, compute):
+    """The printed samples are what generate draws from the run's params made for `compute`."""
+    status, out, _ = sample(cli, capsys, run_dir, *SAMPLING, *flags)
+    assert status == 0
+    params, cfg, tokenizer = load_run(run_dir, compute=compute)
+    result = sampling.generate(params, cfg, [tokenizer.encode(PROMPT)] * 3, jax.random.key(3), max_new_tokens=NEW,
+                               eos_id=tokenizer.eos_id, compute=compute)
+    texts = [PROMPT + tokenizer.decode(new) for new in result.new_tokens()]
+    assert out == f"\n{cli.DIVIDER}\n".join(texts) + "\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (("--prompt", ""), "the prompt is empty"),
+    (("--prompt", "x", "--weights", "int8", "--attention_png", "a.png"),
+     "--attention_png draws the float model's attention: drop --weights int8"),
     (("--prompt", "Zebra €"), r"characters the tokenizer cannot encode: 'Z', 'b', '€'"),
     (("--prompt", "x", "--stream", "--beams", 2), "beam search is deterministic .* drop --stream, or --beams"),
     (("--prompt", "x", "--temperature", -1), "temperature must be a finite number ≥ 0"),

@@ -1,0 +1,403 @@
+"""Compile, without running them, the programs a config's run would run, and say what they cost:
+
+    python -m jaxgpt.compile --config=configs/gpt2_124m.py --topology=v5e:2x4 [--config.KEY=VALUE …]
+        [--chips_per_host=2x4] [--json=PATH]
+
+The train step exactly as train.py builds it (run.lower_train_step: its mesh, grad_accum,
+remat, dtype, attention kernel, scan_layers), the eval step as evaluation.py jits it, and
+the jitted generate with its KV cache (one prompt of one bucket), each compiled for a TPU
+topology through libtpu (no TPU needed, however many hosts it has) or, with no --topology
+(or `train.py --config.compile_only=True`), for this process's devices. Nothing is
+allocated: the state is abstract_state's shapes. One table per device: the memory of each
+program (parameters, optimizer state, batch, temporaries, outputs, XLA's peak) against the
+chip's HBM, XLA's FLOPs and bytes accessed, a roofline bound on the time (the larger of
+FLOPs / peak and bytes / bandwidth) with the tokens/s and MFU it allows (upper bounds from
+the compiler's counts), and the collectives of the compiled program by kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
+INSTALL = "pip install -e '.[tpu]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    hbm: int  # bytes per chip
+    flops: float  # bfloat16 peak, FLOP/s
+    bandwidth: float  # HBM, bytes/s
+
+
+GiB = 2**30
+CHIPS = {
+    "v4": Chip(32 * GiB, 275e12, 1.2e12),
+    "v5e": Chip(16 * GiB, 197e12, 0.82e12),
+    "v5p": Chip(95 * GiB, 459e12, 2.8e12),
+    "v6e": Chip(32 * GiB, 918e12, 1.6e12),
+}
+# device_kind as libtpu names it → the chip
+DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+                "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+_TWO_D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+_THREE_D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16")
+TOPOLOGIES = {"v4": _THREE_D, "v5e": _TWO_D, "v5p": _THREE_D, "v6e": _TWO_D}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE_LINE = re.compile(r"^\s*(?:ROOT )?%\S+ = (?P<type>.+?) (?P<op>" + "|".join(COLLECTIVES)
+                              + r")(?P<start>-start)?\(", re.MULTILINE)
+_SHAPE = re.compile(r"\b(?P<dtype>pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
+                    r"\[(?P<dims>[\d,]*)\]")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "c64": 64, "c128": 128}
+
+
+# --- where it compiles for ------------------------------------------------------------------
+
+
+def known_topologies() -> str:
+    return ", ".join(f"{chip}:{{{'|'.join(shapes)}}}" for chip, shapes in TOPOLOGIES.items())
+
+
+def topology_devices(name: str, chips_per_host: str | None = None) -> list:
+    """The devices of a TPU topology such as 'v5e:2x4', all of its hosts', from libtpu's
+    description of it (no TPU needed). chips_per_host ('2x4'): the chips of one host, for a
+    topology laid out other than libtpu's default (2x2 chips per host)."""
+    chip, _, shape = name.partition(":")
+    if shape not in TOPOLOGIES.get(chip, ()):  # checked first: a malformed name can abort libtpu
+        raise ValueError(f"unknown topology {name!r}: known are {known_topologies()}")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ValueError(f"compiling for the TPU topology {name} needs libtpu, which is not installed: {INSTALL}")
+    import jax
+    from jax.experimental import topologies
+
+    kwargs: dict[str, Any] = {"chip_config_name": "megacore"} if chip == "v4" else {}
+    if chips_per_host:
+        bounds = [int(n) for n in chips_per_host.split("x")]
+        kwargs["chips_per_host_bounds"] = tuple(bounds + [1] * (3 - len(bounds)))
+    try:
+        return list(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
+    except (jax.errors.JaxRuntimeError, ValueError) as error:
+        raise ValueError(f"libtpu cannot describe topology {name!r} (chips_per_host={chips_per_host}): "
+                         f"{' '.join(str(error).split())[:300]}") from None
+
+
+def chip_of(devices) -> tuple[str | None, Chip | None]:
+    """(name, figures) of the devices' chip; for a device that is not a known TPU, its kind
+    and its memory where JAX reports it (no FLOP/s or bandwidth: no roofline)."""
+    kind = devices[0].device_kind
+    if kind in DEVICE_KINDS:
+        return DEVICE_KINDS[kind], CHIPS[DEVICE_KINDS[kind]]
+    try:
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - a CPU or a topology's device may have no stats at all
+        limit = None
+    return kind, Chip(limit, 0.0, 0.0) if limit else None
+
+
+# --- the programs ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Program:
+    """One compiled program and what its report needs beside XLA's figures."""
+
+    name: str
+    compiled: Any
+    inputs: dict[str, int]  # bytes per device of its arguments, by kind
+    tokens: int  # tokens one execution processes (all devices)
+    model_flops: float | None  # the model's FLOPs in one execution (all devices), None: not reported
+    loop: int = 1  # XLA counts a loop's body once: the train step's figures × grad_accum (its micro-batches)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes per device of a pytree of ShapeDtypeStructs (or arrays) with shardings: the
+    largest shard of each leaf."""
+    import jax
+
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))
+
+
+def model_of(config):
+    """The GPTConfig of the config's model section: the vocabulary must be given, since no
+    data (and no tokenizer) is read here."""
+    from jaxgpt.config import GPTConfig
+
+    values = dict(config.model)
+    if not values["vocab_size"]:
+        raise ValueError("model.vocab_size is 0 (the tokenizer's): compiling reads no data, so set "
+                         "--config.model.vocab_size (e.g. 50304 for GPT-2's tokenizer)")
+    return GPTConfig.from_dict(values)
+
+
+def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
+    """(the mesh, [train step, eval step, generate]) compiled for `devices` (default: this
+    process's), built by the functions train.py uses."""
+    from jaxgpt import run, sharding
+    from jaxgpt.config import TrainConfig
+    from jaxgpt.model import GPT, flops_per_token
+    from jaxgpt.optim import make_optimizer
+    from jaxgpt.training import abstract_state
+
+    cfg, compute, train_cfg = model_of(config), run.compute_config(config), TrainConfig.from_mapping(config.train)
+    mesh = sharding.make_mesh(config.mesh, devices)
+    run._check_batch_sizes(train_cfg, mesh)
+    gpt, optimizer, packed = GPT(cfg, compute), make_optimizer(train_cfg), config.data.format == "records"
+    abstract = abstract_state(gpt, optimizer, mesh)
+    lowered = run.lower_train_step(gpt, train_cfg, mesh, optimizer, abstract, packed)
+    tokens = train_cfg.grad_accum * train_cfg.batch_size * cfg.block_size
+    batch = per_device_bytes(batch_structs(mesh, tokens // cfg.block_size, cfg.block_size, packed))
+    per_token = flops_per_token(cfg, cfg.block_size)
+    train = Program("train step", _compiled(lowered, "train step"),
+                    {"parameters": per_device_bytes(abstract.params),
+                     "optimizer state": per_device_bytes(abstract.opt_state), "batch": batch},
+                    tokens, per_token * tokens, loop=train_cfg.grad_accum)
+    evaluation = _eval_program(gpt, mesh, abstract.params, train_cfg.eval_batch_size, packed, per_token / 3)
+    return mesh, [train, evaluation, _generate_program(gpt, mesh, abstract.params, config.sample)]
+
+
+def _compiled(lowered, name: str):
+    """lowered.compile(); a program XLA cannot fit in the devices' memory is a ValueError
+    with XLA's numbers and the knobs that change them."""
+    import jax
+
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        message = " ".join(str(error).split())
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        found = re.search(r"\(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)", message)
+        need = f"needs {found[1]}B, more than the {found[2]}B of HBM available" if found else message[:200]
+        raise ValueError(f"the {name} does not fit: per device it {need}; {KNOBS}") from None
+
+
+KNOBS = ("shard the weights and optimizer state (mesh.fsdp), recompute activations (compute.remat=True), or take "
+         "fewer rows per micro-batch (train.batch_size lower, train.grad_accum higher)")
+
+
+def batch_structs(mesh, rows: int, block_size: int, packed: bool, masked: bool = False) -> tuple:
+    """The fields of a batch (training.batch_fields) as ShapeDtypeStructs laid out on the mesh
+    as train.py lays them; masked: a text batch with its mask, as evaluation reads it."""
+    import jax
+
+    from jaxgpt import sharding
+    from jaxgpt.training import batch_fields
+
+    batches = sharding.batch_sharding(mesh)
+    fields = batch_fields(rows, block_size, packed or masked)
+    return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=batches) for shape, dtype in fields[:5 if packed else 3
+                                                                                                  if masked else 2])
+
+
+def _eval_program(gpt, mesh, params, rows: int, packed: bool, flops_per_token: float) -> Program:
+    """The eval step as evaluation.py jits it, for a batch of train.eval_batch_size rows."""
+    from jaxgpt import evaluation
+
+    inputs, targets, mask, *rest = batch_structs(mesh, rows, gpt.cfg.block_size, packed, masked=True)
+    lowered = evaluation._ignoring_step(gpt).lower(params, inputs, targets, mask, -1, *rest)
+    tokens = rows * gpt.cfg.block_size
+    return Program("eval step", _compiled(lowered, "eval step"),
+                   {"parameters": per_device_bytes(params), "optimizer state": 0,
+                    "batch": per_device_bytes((inputs, targets, mask, *rest))}, tokens, flops_per_token * tokens)
+
+
+def _generate_program(gpt, mesh, params, sample) -> Program:
+    """sampling's generate program (the KV cache, the decoding loop) for one prompt of the
+    smallest bucket and sample.max_new_tokens new tokens, top_k as the config samples."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxgpt import sampling
+    from jaxgpt.decoding import prompt_bucket
+
+    whole = NamedSharding(mesh, PartitionSpec())
+    width = prompt_bucket(1)
+    prompts = jax.ShapeDtypeStruct((1, width), np.int32, sharding=whole)
+    lengths = jax.ShapeDtypeStruct((1,), np.int32, sharding=whole)
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
+    keys = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=whole)
+    top_k = int(sample.top_k or 0)
+    program = sampling._Program(config=gpt.cfg, compute=gpt.compute, max_new_tokens=int(sample.max_new_tokens),
+                                top_k=top_k if 0 < top_k < gpt.cfg.vocab_size else None, use_top_p=False,
+                                top_logprobs=0)
+    traced = sampling._Traced(temperature=np.float32(1.0), top_p=np.float32(1.0), eos_id=np.int32(-1),
+                              pad_id=np.int32(0))
+    lowered = sampling._generate_program.lower(params, prompts, lengths, keys, traced, program)
+    return Program("generate", _compiled(lowered, "generate"),
+                   {"parameters": per_device_bytes(params), "optimizer state": 0,
+                    "batch": per_device_bytes((prompts, lengths))}, 0, None)  # its decoding loop: no roofline
+
+
+# --- the figures ----------------------------------------------------------------------------
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int]]:
+    """{kind: {count, bytes}} of the collective instructions in a compiled program's HLO text;
+    bytes are each result's (of an asynchronous -start, its outputs: the second half of its
+    tuple). An instruction inside a loop counts once."""
+    found = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
+    for match in _COLLECTIVE_LINE.finditer(hlo):
+        sizes = [_shape_bytes(shape) for shape in _SHAPE.finditer(match["type"])]
+        if match["start"] and match["op"] != "all-reduce" and len(sizes) > 1:
+            sizes = sizes[len(sizes) // 2:]
+        found[match["op"]]["count"] += 1
+        found[match["op"]]["bytes"] += sum(sizes)
+    return found
+
+
+def _shape_bytes(shape: re.Match) -> int:
+    dtype = shape["dtype"]
+    bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype)))
+    return math.prod(int(d) for d in shape["dims"].split(",") if d) * bits // 8
+
+
+def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]:
+    """The report of one program, per device."""
+    memory = program.compiled.memory_analysis()
+    cost = program.compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
+    total = getattr(memory, "peak_memory_in_bytes", 0) or (memory.argument_size_in_bytes + outputs
+                                                           + memory.temp_size_in_bytes)
+    result = {**{key.replace(" ", "_"): value for key, value in program.inputs.items()},
+              "temporaries": memory.temp_size_in_bytes, "outputs": outputs, "total": total,
+              "flops": program.loop * float(cost.get("flops", 0.0)),
+              "bytes_accessed": program.loop * float(cost.get("bytes accessed", 0.0)),
+              "tokens": program.tokens, "collectives": collectives(program.compiled.as_text())}
+    if chip and chip.hbm:
+        result.update(hbm=chip.hbm, fits=total <= chip.hbm, margin=chip.hbm - total)
+    if chip and chip.flops and program.tokens:
+        bound = max(result["flops"] / chip.flops, result["bytes_accessed"] / chip.bandwidth)
+        result["roofline_seconds"] = bound
+        result["tokens_per_second_bound"] = program.tokens / bound if bound else None
+        if program.model_flops is not None and bound:
+            result["mfu_bound"] = program.model_flops / bound / (chip.flops * devices)
+    return result
+
+
+def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
+    """Compile the config's programs for `devices` and gather their figures (see figures)."""
+    import jax
+
+    devices = list(jax.devices()) if devices is None else devices
+    mesh, programs = compile_programs(config, devices)
+    chip_name, chip = chip_of(devices)
+    return {"where": where or f"{len(devices)} local {jax.default_backend()} device(s)", "chip": chip_name,
+            "devices": len(devices), "processes": len({d.process_index for d in devices}),
+            "mesh": dict(mesh.shape), "chip_figures": dataclasses.asdict(chip) if chip else None,
+            "programs": {p.name: figures(p, chip, len(devices)) for p in programs}}
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+def _size(n) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB / 10 else f"{n / 2**20:.2f} MiB" if abs(n) >= 2**20 / 10 \
+        else f"{n / 1024:.1f} KiB"
+
+
+def _rows(result: dict) -> list[list[str]]:
+    programs = result["programs"].values()
+
+    def row(label, render):
+        return [label, *(render(p) for p in programs)]
+
+    rows = [row(label, lambda p, k=key: _size(p[k])) for label, key in (
+        ("parameters", "parameters"), ("optimizer state", "optimizer_state"), ("batch", "batch"),
+        ("temporaries", "temporaries"), ("outputs", "outputs"), ("total (XLA's peak)", "total"))]
+    if result["chip_figures"] and result["chip_figures"]["hbm"]:
+        rows.append(row(f"HBM of a {result['chip']}", lambda p: _size(p["hbm"])))
+        rows.append(row("fits", lambda p: f"{'yes' if p['fits'] else 'NO'}, {_size(abs(p['margin']))} "
+                                          f"{'spare' if p['fits'] else 'over'}"))
+    rows.append(row("XLA FLOPs", lambda p: f"{p['flops']:.4g}"))
+    rows.append(row("XLA bytes accessed", lambda p: _size(p["bytes_accessed"])))
+    if result["chip_figures"] and result["chip_figures"]["flops"]:
+        rows.append(row("roofline bound (s)", lambda p: f"{p['roofline_seconds']:.4g}" if "roofline_seconds" in p
+                        else "-"))
+        rows.append(row("tokens/s ≤ (upper bound)", lambda p: f"{p['tokens_per_second_bound']:,.0f}"
+                        if p.get("tokens_per_second_bound") else "-"))
+        rows.append(row("MFU ≤ (upper bound)", lambda p: f"{p['mfu_bound']:.1%}" if "mfu_bound" in p else "-"))
+    for kind in COLLECTIVES:
+        rows.append(row(kind, lambda p, k=kind: f"{p['collectives'][k]['count']} × "
+                                                f"{_size(p['collectives'][k]['bytes'])}"
+                        if p["collectives"][k]["count"] else "-"))
+    return rows
+
+
+def format_report(result: dict) -> str:
+    """The report as one plain-text table, per device, a column per program."""
+    header = ["per device", *result["programs"]]
+    lines = [header, *_rows(result)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = [f"{result['where']}: {result['devices']} devices ({result['chip']}), {result['processes']} "
+            f"process(es), mesh {result['mesh']}"]
+    for k, line in enumerate(lines):
+        cells = enumerate(zip(line, widths, strict=True))
+        text.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in cells))
+        if k == 0:
+            text.append("  ".join("-" * w for w in widths))
+    text.append("Roofline, tokens/s and MFU: upper bounds from XLA's counts, which count a loop's body once: the "
+                "train step's are × grad_accum (the update's share overcounted), generate's decoding loop has none, "
+                "and compute.scan_layers undercounts the layers. Collectives: the program's instructions.")
+    return "\n".join(text)
+
+
+def print_and_check(result: dict, json_path: str | None = None) -> int:
+    """Print the table (and write --json); 2 with a one-line error when the train step does
+    not fit the chip's HBM, else 0."""
+    print(format_report(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+    train = result["programs"]["train step"]
+    if train.get("fits", True):
+        return 0
+    print(f"jaxgpt.compile: the train step needs {_size(train['total'])} per device, {_size(-train['margin'])} "
+          f"more than the {_size(train['hbm'])} of a {result['chip']}: {KNOBS}", file=sys.stderr)
+    return 2
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(--topology, --chips_per_host, --json) of argv, and the rest for the config parser."""
+    options, rest = {}, []
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name in ("--topology", "--chips_per_host", "--json"):
+            options[name[2:]] = value
+        else:
+            rest.append(arg)
+    return options, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxgpt.cli import parse_config
+    from jaxgpt.errors import one_line, tidy_cli_output
+
+    options, rest = split_options(sys.argv if argv is None else argv)
+    try:
+        config = parse_config(rest, DEFAULT_CONFIG)
+        tidy_cli_output()
+        topology = options.get("topology")
+        devices = topology_devices(topology, options.get("chips_per_host")) if topology else None
+        result = report(config, devices, f"TPU topology {topology}" if topology else None)
+    except ValueError as error:
+        print(f"jaxgpt.compile: {one_line(error, limit=2000)}", file=sys.stderr)
+        return 2
+    return print_and_check(result, options.get("json"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
