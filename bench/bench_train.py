@@ -149,16 +149,22 @@ def loop(steps: int = 300) -> dict:
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in records[1:])}
 
 
-def compare_loop(pairs: int, child) -> None:
-    """train.py's loop against the step-only rate of the same config, alternating."""
+def alternate(pairs: int, child, first: str, second: str, key: str) -> float:
+    """The children `first` and `second` run alternately `pairs` times: the median of
+    second[key] / first[key], each pair printed."""
     import statistics
 
     ratios = []
     for _ in range(pairs):
-        step_only, whole = child("cpu_recipe")["tokens_per_sec"], child("loop")["tokens_per_sec"]
-        ratios.append(whole / step_only)
-        print(f"cpu_recipe: step-only {step_only:,.0f} tokens/s, train.py's loop {whole:,.0f} tokens/s")
-    ratio = statistics.median(ratios)
+        a, b = child(first)[key], child(second)[key]
+        ratios.append(b / a)
+        print(f"{key}: {first} {a:,.1f}, {second} {b:,.1f}")
+    return statistics.median(ratios)
+
+
+def compare_loop(pairs: int, child) -> None:
+    """train.py's loop against the step-only rate of the same config, alternating."""
+    ratio = alternate(pairs, child, "cpu_recipe", "loop", "tokens_per_sec")
     print(f"train.py's loop / step-only: {ratio:.3f} (median of {pairs}; target ≥ 0.95: "
           f"{'ok' if ratio >= 0.95 else 'MISSED'})")
 
@@ -177,28 +183,16 @@ def xla_gradient() -> dict:
 
 def compare_matmul(pairs: int, child) -> None:
     """ops.dot_general's CPU backward against XLA's own gradient, alternating."""
-    import statistics
-
-    ratios = []
-    for _ in range(pairs):
-        written, xla = child("cpu_recipe")["ms_per_step"], child("xla_gradient")["ms_per_step"]
-        ratios.append(written / xla)
-        print(f"cpu_recipe: written-out backward {written:.1f} ms/step, XLA's gradient {xla:.1f} ms/step")
-    print(f"written-out / XLA's: {statistics.median(ratios):.3f} of the step time (median of {pairs})")
+    ratio = alternate(pairs, child, "xla_gradient", "cpu_recipe", "ms_per_step")
+    print(f"written-out backward / XLA's gradient: {ratio:.3f} of the step time (median of {pairs})")
 
 
 def compare_prefetch(pairs: int, child) -> None:
     """The step-only rate with batches made ahead by the loader's thread (as train.py) against
     one device-resident batch reused with no loader running, alternating: what prefetching
     costs the steps on this machine's cores."""
-    import statistics
-
-    ratios = []
-    for _ in range(pairs):
-        loaded, reused = child("cpu_recipe")["tokens_per_sec"], child("one_batch")["tokens_per_sec"]
-        ratios.append(loaded / reused)
-        print(f"cpu_recipe: prefetched batches {loaded:,.0f} tokens/s, one batch reused {reused:,.0f} tokens/s")
-    print(f"prefetched / reused: {statistics.median(ratios):.3f} (median of {pairs})")
+    ratio = alternate(pairs, child, "one_batch", "cpu_recipe", "tokens_per_sec")
+    print(f"prefetched / reused: {ratio:.3f} (median of {pairs})")
 
 
 def main() -> None:

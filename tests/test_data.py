@@ -917,5 +917,6 @@ print("ok")
 
 
 def test_each_of_two_processes_makes_only_its_own_rows():
-    workers = [with_devices(TWO_PROCESSES, process, free_port(), devices=4) for process in (0, 1)]
+    port = free_port()  # where both processes meet
+    workers = [with_devices(TWO_PROCESSES, process, port, devices=4) for process in (0, 1)]
     assert [finished(worker).strip() for worker in workers] == ["ok", "ok"]
