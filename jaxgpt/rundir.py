@@ -27,7 +27,7 @@ from jaxgpt import convert, data, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.config import RESUME, ComputeConfig, GPTConfig
 from jaxgpt.errors import ConfigError, TrainingError
-from jaxgpt.model import GPT, layers_as, unstack_layers
+from jaxgpt.model import GPT, unstack_layers
 from jaxgpt.model_config import split_model
 from jaxgpt.quantize import params_for
 
@@ -168,7 +168,7 @@ def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, compute: ComputeCo
         raise ValueError(f"the model config does not match {source}: {', '.join(different)}; leave the architecture "
                          "to the checkpoint")
     _, params = convert.crop_block_size(source_cfg, unstack_layers(jax.device_get(params)), cfg.block_size)
-    params = layers_as(jax.tree.map(lambda x: x.astype(compute.params_dtype), params), compute.scan_layers)
+    params = params_for(params, cfg, compute)
     if shardings is None:
         return params
     return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
