@@ -75,9 +75,12 @@ def parse_args(argv):
     parser.add_argument("--mask_unknown", action="store_true",
                         help="leave <|unk|> targets out of the loss instead of refusing text with many")
     parser.add_argument("--calibration", action="store_true",
-                        help="also measure calibration (ECE, Brier) and fit a temperature; with --run_dir, write "
-                             "calibration.json (the temperature sample.py --calibrated uses) and calibration.png")
+                        help="also measure calibration (ECE, Brier) and fit a temperature on the first half of the "
+                             "targets, measured on the second; with --run_dir (or --out), write calibration.json (the "
+                             "temperature sample.py --calibrated uses) and calibration.png")
     parser.add_argument("--bins", type=int, default=15, help="confidence bins for --calibration (default 15)")
+    parser.add_argument("--out", help="with --calibration: the directory for calibration.json and calibration.png "
+                                      "(default: the run directory)")
     parser.add_argument("--records", action="store_true",
                         help="with --run_dir of a records run: also answer each example of the split greedily and "
                              "report exact match and token F1 against its completion")
@@ -93,6 +96,7 @@ def check_args(args) -> None:
     """Impossible values and combinations, found before anything is loaded."""
     if args.bins < 1:
         raise ValueError(f"--bins must be a positive integer, got {args.bins}")
+    check_calibration_out(args)
     check_records_args(args)
     for name in ("step", "stride", "block_size", "batch_size", "max_batches"):
         value = getattr(args, name)
@@ -108,6 +112,25 @@ def check_args(args) -> None:
             raise ValueError("--hf_dir needs --data: the text to evaluate the model on")
         if args.step is not None:
             raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
+
+
+def calibration_dir(args) -> Path | None:
+    """Where --calibration writes calibration.json and calibration.png: --out, else the run
+    directory; None for a Hugging Face directory without --out."""
+    directory = args.out or args.run_dir
+    return Path(directory) if args.calibration and directory is not None else None
+
+
+def check_calibration_out(args) -> None:
+    """--out goes with --calibration, and the directory it writes in takes files: found before
+    the evaluation, not after it."""
+    from jaxgpt.files import writable_directory
+
+    if args.out is not None and not args.calibration:
+        raise ValueError("--out is where --calibration writes its files: add --calibration, or drop --out")
+    if calibration_dir(args) is not None:
+        writable_directory(calibration_dir(args), "pass --out DIR to write calibration.json and calibration.png "
+                                                  "elsewhere")
 
 
 def check_records_args(args) -> None:
@@ -291,18 +314,23 @@ def answer_records(args, params, config, tokenizer, examples, batch_size: int) -
 
 
 def calibrate(args, config, params, tokens, batch_size: int, stride) -> dict:
-    """Calibration before and after temperature scaling: a table on stdout; with --run_dir,
-    calibration.json and calibration.png in the run directory. Returns the JSON line's part."""
+    """Calibration before and after temperature scaling: a table on stdout; with --run_dir or
+    --out, calibration.json and calibration.png there (calibration_dir). Returns the JSON line's part."""
     from jaxgpt import viz
     from jaxgpt.analysis import calibration
-    from jaxgpt.files import write_json
+    from jaxgpt.files import unwritable, write_json
 
     predictions = calibration.collect_predictions(config, params, tokens, batch_size=batch_size, stride=stride)
     report = calibration.calibration_report(predictions, bins=args.bins)
     print(calibration.format_report(report))
-    if args.run_dir is not None:
-        write_json(Path(args.run_dir) / "calibration.json", report)
-        viz.plot_reliability(report, Path(args.run_dir) / "calibration.png", title=Path(args.run_dir).name)
+    out = calibration_dir(args)
+    if out is not None:
+        try:
+            write_json(out / "calibration.json", report)
+            viz.plot_reliability(report, out / "calibration.png", title=Path(args.run_dir or args.hf_dir).name)
+        except OSError as error:
+            raise unwritable(out, error, "pass --out DIR to write calibration.json and calibration.png elsewhere") \
+                from None
     return {"temperature": report["temperature"], "ece_before": report["before"]["ece_width"],
             "ece_after": report["after"]["ece_width"]}
 

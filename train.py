@@ -7,9 +7,10 @@ command again resumes from the last checkpoint.
 """
 
 import sys
+import warnings
 from pathlib import Path
 
-from jaxgpt.cli import parse_config
+from jaxgpt.cli import overridden_keys, parse_config
 from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
@@ -26,19 +27,6 @@ def parse(argv):
         return parse_config(argv, DEFAULT_CONFIG)
     except ConfigError as error:
         fail(str(error))
-
-
-def write_sample(config) -> str:
-    """The run's best model continues config.sample.prompt; the text goes to sample.txt."""
-    from jaxgpt import run, text
-
-    params, cfg, tokenizer = run.load_run(config.run_dir)
-    options = config.sample
-    sample = options.prompt + text.generate_text(
-        params, cfg, tokenizer, options.prompt, seed=config.train.seed, max_new_tokens=options.max_new_tokens,
-        temperature=options.temperature, top_k=options.top_k or None)
-    (Path(config.run_dir) / "sample.txt").write_text(sample)
-    return sample
 
 
 def main(argv) -> int:
@@ -59,7 +47,7 @@ def main(argv) -> int:
             from jaxgpt import compile as ahead
 
             return ahead.print_and_check(ahead.report(config))
-        result = run.train(config)
+        result = run.train(config, explicit=overridden_keys(argv))
     except (ValueError, OSError, run.TrainingError, CheckpointError) as error:
         fail(one_line(error, limit=2000))
     except KeyboardInterrupt:  # a second signal before training began: nothing to save
@@ -71,9 +59,23 @@ def main(argv) -> int:
     if result["interrupted"]:
         return 130
     if config.sample.max_new_tokens > 0:
-        print(f"--- sample (run directory {config.run_dir}) ---")
-        print(write_sample(config))
+        print_sample(config)
     return 0
+
+
+def print_sample(config) -> None:
+    """The sample the run ends with; the run finished and stands, so a failure here is a warning."""
+    from jaxgpt import run
+
+    try:
+        sample = run.write_sample(config)
+    except Exception as error:  # whatever it is, the trained run is saved: exit 0
+        warnings.warn(f"no sample ({one_line(error, with_type=True)}); the run is saved: sample.py --run_dir "
+                      f"{config.run_dir} samples it", stacklevel=1)
+        return
+    if sample is not None:
+        print(f"--- sample (run directory {config.run_dir}) ---")
+        print(sample)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ nanoGPT (with --nanogpt, a checkout of karpathy/nanoGPT, and --python, a Python 
 PyTorch for it): its train.py for the same recipe with max_iters=0, i.e. its evaluation
 before the first step (20 batches of each split) and one step (it saves no checkpoint before
 step 1), --repeat times.
+
+With --other_python PATH (the Python of another install of jaxgpt, e.g. one without the tpu
+extra): the warm runs alternate between this Python and that one, and the table compares
+them, with whether either printed anything on standard error that the other did not (libtpu's
+start-up complaints, say).
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ TARGETS = {"cold": 10.0, "warm": 6.0}  # seconds, the 1-step run with its sample
 COMPILED = re.compile(r"Finished XLA compilation of (jit\([^)]*\))")
 
 
-def jaxgpt_run(text: Path, run_dir: Path, cache: Path, sample: bool, log_compiles: bool = False):
+def jaxgpt_run(text: Path, run_dir: Path, cache: Path, sample: bool, log_compiles: bool = False,
+               python: str = sys.executable):
     """(wall seconds, the names of the programs compiled when log_compiles)."""
-    command = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py", f"--config.data.source={text}",
+    command = [python, "train.py", "--config=configs/shakespeare_char_cpu.py", f"--config.data.source={text}",
                "--config.train.steps=1", f"--config.run_dir={run_dir}", f"--config.compilation_cache={cache}"]
     if not sample:
         command.append("--config.sample.max_new_tokens=0")
@@ -49,7 +55,27 @@ def jaxgpt_run(text: Path, run_dir: Path, cache: Path, sample: bool, log_compile
     seconds = time.perf_counter() - start
     if out.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{out.stderr[-3000:]}")
+    STDERR.setdefault(python, set()).update(line for line in out.stderr.splitlines() if not COMPILED.search(line))
     return seconds, COMPILED.findall(out.stderr)
+
+
+STDERR: dict[str, set[str]] = {}  # the lines each Python's runs printed on standard error
+
+
+def compared(text: Path, run_dir: Path, cache: Path, other: str, repeat: int) -> list[list[str]]:
+    """Rows of warm runs alternating between this Python and `other`."""
+    ours, theirs = [], []
+    jaxgpt_run(text, run_dir, cache, sample=False, python=other)  # its own untimed first run
+    for _ in range(repeat):
+        ours.append(jaxgpt_run(text, run_dir, cache, sample=False)[0])
+        theirs.append(jaxgpt_run(text, run_dir, cache, sample=False, python=other)[0])
+    only = {name: STDERR.get(a, set()) - STDERR.get(b, set())
+            for name, a, b in (("this", sys.executable, other), ("other", other, sys.executable))}
+    return [[f"warm, no sample, this Python {sys.executable} (median)", f"{statistics.median(ours):.2f}",
+             f"{len(only['this'])} stderr lines the other's runs did not print"],
+            [f"warm, no sample, other Python {other} (median)", f"{statistics.median(theirs):.2f}",
+             f"{len(only['other'])} stderr lines this one's did not print; this/other time "
+             f"{statistics.median(ours) / statistics.median(theirs):.3f}"]]
 
 
 def nanogpt_run(nanogpt: Path, python: str, out_dir: Path) -> float:
@@ -70,6 +96,7 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="a Python with torch and numpy for nanoGPT")
     parser.add_argument("--repeat", type=int, default=3, help="warm runs of each kind (medians)")
     parser.add_argument("--data", type=Path, default=DATA, help="the Tiny Shakespeare text")
+    parser.add_argument("--other_python", help="the Python of another jaxgpt install, its warm runs alternated")
     args = parser.parse_args()
     text = args.data.resolve()
     if not text.is_file():
@@ -81,6 +108,7 @@ def main() -> None:
         cold, programs = jaxgpt_run(text, run_dir, cache, sample=True, log_compiles=True)
         warm = [jaxgpt_run(text, run_dir, cache, sample=True)[0] for _ in range(args.repeat)]
         bare = [jaxgpt_run(text, run_dir, cache, sample=False)[0] for _ in range(args.repeat)]
+        other = compared(text, run_dir, cache, args.other_python, args.repeat) if args.other_python else []
         nano = None
         if args.nanogpt:
             nanogpt = args.nanogpt.resolve()
@@ -96,6 +124,7 @@ def main() -> None:
          f"≤ {TARGETS['warm']:g} s: {'ok' if statistics.median(warm) <= TARGETS['warm'] else 'MISSED'}"],
         ["jaxgpt, warm, no sample (median)", f"{statistics.median(bare):.2f}", ""],
     ]
+    rows += other
     if nano:
         rows.append(["nanoGPT, max_iters=0 (median)", f"{statistics.median(nano):.2f}",
                      f"jaxgpt without its sample: {statistics.median(nano) / statistics.median(bare):.2f}× its speed"])

@@ -13,8 +13,12 @@ within each. About 2½ minutes on 2 CPU cores; 5% of the records are held out.
     python eval.py --run_dir=runs/finetune_records --records     # exact match on the held-out records
 
 Your own records: --config.data.source=PATH (.jsonl, .json, .csv, .tsv) with
---config.data.records.template (prompt_completion, alpaca, qa, chat) or your own
---config.data.records.prompt_template / completion_template.
+--config.data.records.template (prompt_completion, alpaca, qa, chat), or your own templates
+in place of this preset's qa:
+
+    python train.py --config=configs/finetune_records.py --config.data.source=my.jsonl \
+        --config.data.records.template=None --config.data.records.prompt_template='Q: {question}\nA: ' \
+        --config.data.records.completion_template='{answer}'
 """
 
 from jaxgpt.config import default_config

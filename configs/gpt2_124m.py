@@ -20,7 +20,8 @@ def get_config():
     config.model.update(vocab_size=50304,  # the tokenizer's 50257 padded to a multiple of 64, as GPUs like
                         n_layer=12, n_head=12, d_model=768, block_size=1024, dropout=0.0, bias=True,
                         tie_embeddings=True)
-    config.compute.update(dtype="bfloat16", param_dtype="float32")  # how it runs: any of it may change on resume
+    # how it runs (any of it may change on resume): the platform's own attention kernel, flash on a TPU
+    config.compute.update(kernel="auto", dtype="bfloat16", param_dtype="float32")
     config.train.update(
         steps=600_000, batch_size=16, grad_accum=32, lr=6e-4, min_lr=6e-5,
         warmup_steps=2000, decay_steps=600_000, b1=0.9, b2=0.95, weight_decay=0.1, clip=1.0,

@@ -4,6 +4,9 @@ The names below are imported when first used, so that `import jaxgpt.tokenizers`
 data-preparation worker) does not start JAX."""
 
 from jaxgpt.lazy import lazy_exports
+from jaxgpt.platforms import skip_absent_tpu
+
+skip_absent_tpu()  # libtpu installed on a machine without a TPU: JAX starts no TPU backend (jaxgpt.platforms)
 
 _EXPORTS = {
     "GPTConfig": "jaxgpt.model_config", "ComputeConfig": "jaxgpt.model_config",

@@ -39,6 +39,17 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected."""
 
 
+class MismatchedCheckpoint(CheckpointError):
+    """A checkpoint that holds other tensors, or other shapes, than the state asked for: the
+    config asked for another model. The checkpoint is intact and left where it is."""
+
+    def __init__(self, step: int, directory: Path, differences: str):
+        super().__init__(f"checkpoint at step {step} in {directory} holds another model than the one asked for "
+                         f"({differences}): ask for the model it was written with (its run's config); nothing was "
+                         "moved")
+        self.step, self.differences = step, differences
+
+
 class NonFiniteState(CheckpointError):
     """A state that holds NaN or ±inf, which is never saved; `path` names the first such tensor."""
 
@@ -147,6 +158,9 @@ class Checkpoints:
     def __init__(self, run_dir, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.read_only = read_only
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory} is a file, not a directory of checkpoints: move it away and run "
+                                  "again")
         keep_policy = policies.AnyPreservationPolicy([
             policies.LatestN(n=keep),
             policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1,
@@ -157,6 +171,10 @@ class Checkpoints:
             best_fn=_val_loss,  # makes orbax write each step's metrics
             best_mode="min",
             enable_async_checkpointing=async_save,
+            # A step's directories made before save() returns: made in the background, a failure
+            # to make them (checkpoints/ a file, a lost mount) left orbax's writer threads waiting
+            # 300 s for them, and the process with them, after the error was reported.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             create=not read_only,
             read_only=read_only,
             save_interval_steps=0 if read_only else 1,
@@ -247,9 +265,13 @@ class Checkpoints:
     def _first_intact(self, candidates: list[int], abstract: Any, partial: bool, explicit: bool):
         if not candidates:
             raise CheckpointError(f"no checkpoint in {self.directory}")
+        if explicit:
+            self._check_step_exists(candidates[0])
         for candidate in candidates:
             try:
                 return self._restore_checked(candidate, abstract, partial), candidate
+            except MismatchedCheckpoint:
+                raise  # the caller asked for another model: nothing here is damaged
             except Exception as error:  # orbax raises many kinds for a damaged directory
                 reason = str(error) if isinstance(error, CheckpointError) else one_line(error, with_type=True)
                 message = f"checkpoint at step {candidate} in {self.directory} is unreadable or damaged ({reason})"
@@ -265,9 +287,47 @@ class Checkpoints:
                               f"{self.directory.parent / 'damaged_checkpoints'}): run the same command again to start "
                               "from scratch")
 
+    def check_params(self, abstract_params: Any) -> None:
+        """MismatchedCheckpoint when the newest checkpoint's params have other names or shapes
+        than `abstract_params`; nothing is read but metadata (nothing, without a checkpoint,
+        or when the metadata is unreadable: a restore then finds the step damaged)."""
+        steps = self.steps()
+        if not steps:
+            return
+        try:
+            self._check_shapes(steps[-1], {"params": abstract_params}, partial=True)
+        except MismatchedCheckpoint:
+            raise
+        except Exception:  # orbax raises many kinds for damaged metadata
+            log.debug("the metadata of checkpoint step %s is unreadable", steps[-1])
+
+    def _check_step_exists(self, step: int) -> None:
+        """CheckpointError naming the steps there are, when `step` is not one of them."""
+        steps = self.steps()
+        if step not in steps:
+            there = f"the steps there are {', '.join(map(str, steps))}" if steps else "there is none: train first"
+            raise CheckpointError(f"no checkpoint at step {step} in {self.directory}: {there}")
+
+    def _check_shapes(self, step: int, abstract: Any, partial: bool) -> None:
+        """MismatchedCheckpoint, before anything is read, when the state asked for has other
+        tensors or other shapes than `step` holds (a partial restore asks for some of them).
+        Metadata that cannot be read is left to the restore, which finds the step damaged."""
+        saved = _shapes(self.manager.item_metadata(step)["state"])
+        asked = _shapes(abstract)
+        differ = {path: f"saved {saved[path]} against asked {shape}" for path, shape in asked.items()
+                  if path in saved and saved[path] != shape}
+        differ |= {path: "asked but not saved" for path in asked if path not in saved}
+        if not partial:
+            differ |= {path: "saved but not asked" for path in saved if path not in asked}
+        differ = [f"{'/'.join(path)} {how}" for path, how in sorted(differ.items(), key=_params_first)]
+        if differ:
+            shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+            raise MismatchedCheckpoint(step, self.directory, shown)
+
     def _restore_checked(self, step: int, abstract: Any, partial: bool) -> Any:
         """The state (or its params) of `step`, checked against the checksums it was saved with
         (checkpoints without them, from before they were recorded, are only checked to be finite)."""
+        self._check_shapes(step, abstract, partial)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             abstract, restore_args=restore_args, partial_restore=partial)))["state"]
@@ -313,6 +373,19 @@ def _repair_steps(directory: Path) -> None:
             target = _move_aside(step_dir, directory)
             log.warning("checkpoint at step %s is unreadable (%s does not parse); moved it to %s", step_dir.name,
                         damaged.relative_to(step_dir), target)
+
+
+def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Each leaf's shape by its path of plain names (a dict's key, a field's name, a sequence's
+    index): a state and orbax's metadata of it give the same paths."""
+    return {tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path):
+            tuple(getattr(leaf, "shape", ())) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _params_first(item: tuple[tuple[str, ...], str]) -> tuple:
+    """The parameters' paths before the optimizer state's, which repeats their shapes."""
+    path = item[0]
+    return path[:1] != ("params",), path
 
 
 def _parses(path: Path, kind: type) -> bool:

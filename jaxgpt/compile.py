@@ -17,14 +17,19 @@ the compiler's counts), and the collectives of the compiled program by kind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from jaxgpt.platforms import tpu_present
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
 INSTALL = "pip install -e '.[tpu]'"
@@ -52,7 +57,9 @@ _THREE_D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x
 TOPOLOGIES = {"v4": _THREE_D, "v5e": _TWO_D, "v5p": _THREE_D, "v6e": _TWO_D}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE_LINE = re.compile(r"^\s*(?:ROOT )?%\S+ = (?P<type>.+?) (?P<op>" + "|".join(COLLECTIVES)
-                              + r")(?P<start>-start)?\(", re.MULTILINE)
+                              + r")(?P<phase>-start|-done)?\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>\S+) .*\{\s*$")
+_FUSED_SCATTER = re.compile(r" fusion\(.*calls=%all-reduce-scatter")
 _SHAPE = re.compile(r"\b(?P<dtype>pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8\w*|bf16|f16|f32|f64|c64|c128)"
                     r"\[(?P<dims>[\d,]*)\]")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "c64": 64, "c128": 128}
@@ -81,11 +88,40 @@ def topology_devices(name: str, chips_per_host: str | None = None) -> list:
     if chips_per_host:
         bounds = [int(n) for n in chips_per_host.split("x")]
         kwargs["chips_per_host_bounds"] = tuple(bounds + [1] * (3 - len(bounds)))
-    try:
-        return list(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
+    if not tpu_present():  # no chip to guard: other processes may describe topologies at the same time
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:  # libtpu's start-up complaints about the TPU VM it is not on kept out of sight, unless it is being tuned
+        with stderr_kept(enabled="LIBTPU_INIT_ARGS" not in os.environ) as noise:
+            return list(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
     except (jax.errors.JaxRuntimeError, ValueError) as error:
         raise ValueError(f"libtpu cannot describe topology {name!r} (chips_per_host={chips_per_host}): "
-                         f"{' '.join(str(error).split())[:300]}") from None
+                         f"{' '.join(str(error).split())[:300]} {noise.text()[-300:]}") from None
+
+
+class stderr_kept(contextlib.AbstractContextManager):
+    """What this process (its C++ libraries too) writes to standard error inside the block,
+    kept in a file instead of printed: text() reads it. Not enabled: printed as usual."""
+
+    def __init__(self, enabled: bool = True):
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2) if enabled else None
+
+    def __enter__(self):
+        if self._saved is not None:
+            sys.stderr.flush()
+            os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+        return False
+
+    def text(self) -> str:
+        self._file.seek(0)
+        return " ".join(self._file.read().decode(errors="replace").split())
 
 
 def chip_of(devices) -> tuple[str | None, Chip | None]:
@@ -140,15 +176,19 @@ def model_of(config):
 def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
     """(the mesh, [train step, eval step, generate]) compiled for `devices` (default: this
     process's), built by the functions train.py uses."""
-    from jaxgpt import run, sharding
+    import jax
+
+    from jaxgpt import preflight, run, sharding
     from jaxgpt.config import TrainConfig
     from jaxgpt.model import GPT, flops_per_token
     from jaxgpt.optim import make_optimizer
     from jaxgpt.training import abstract_state
 
-    cfg, compute, train_cfg = model_of(config), run.compute_config(config), TrainConfig.from_mapping(config.train)
     mesh = sharding.make_mesh(config.mesh, devices)
-    run._check_batch_sizes(train_cfg, mesh)
+    platform = mesh.devices.flat[0].platform
+    cfg, compute = model_of(config), run.compute_config(config, platform)
+    train_cfg = TrainConfig.from_mapping(config.train)
+    preflight.check_batch_sizes(train_cfg, mesh)
     gpt, optimizer, packed = GPT(cfg, compute), make_optimizer(train_cfg), config.data.format == "records"
     abstract = abstract_state(gpt, optimizer, mesh)
     lowered = run.lower_train_step(gpt, train_cfg, mesh, optimizer, abstract, packed)
@@ -159,8 +199,10 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
                     {"parameters": per_device_bytes(abstract.params),
                      "optimizer state": per_device_bytes(abstract.opt_state), "batch": batch},
                     tokens, per_token * tokens, loop=train_cfg.grad_accum)
-    evaluation = _eval_program(gpt, mesh, abstract.params, train_cfg.eval_batch_size, packed, per_token / 3)
-    return mesh, [train, evaluation, _generate_program(gpt, mesh, abstract.params, config.sample)]
+    with jax.set_mesh(mesh):  # as train.py runs them (run.train)
+        evaluation = _eval_program(gpt, mesh, abstract.params, train_cfg.eval_batch_size, packed, per_token / 3)
+        generate = _generate_program(gpt, mesh, abstract.params, config.sample)
+    return mesh, [train, evaluation, generate]
 
 
 def _compiled(lowered, name: str):
@@ -241,17 +283,30 @@ def _generate_program(gpt, mesh, params, sample) -> Program:
 
 
 def collectives(hlo: str) -> dict[str, dict[str, int]]:
-    """{kind: {count, bytes}} of the collective instructions in a compiled program's HLO text;
-    bytes are each result's (of an asynchronous -start, its outputs: the second half of its
-    tuple). An instruction inside a loop counts once."""
+    """{kind: {count, bytes}} of the collective instructions in a compiled program's HLO text,
+    bytes their results'. An asynchronous one counts once, by its -done (whose result is the
+    output; its -start's tuple also holds the operands). TPU programs fuse a reduce-scatter
+    as a fusion calling an %all-reduce-scatter computation (an all-reduce of which each
+    device keeps its slice): that fusion counts as one reduce-scatter, its inside not at all.
+    An instruction inside a loop counts once."""
     found = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
-    for match in _COLLECTIVE_LINE.finditer(hlo):
-        sizes = [_shape_bytes(shape) for shape in _SHAPE.finditer(match["type"])]
-        if match["start"] and match["op"] != "all-reduce" and len(sizes) > 1:
-            sizes = sizes[len(sizes) // 2:]
-        found[match["op"]]["count"] += 1
-        found[match["op"]]["bytes"] += sum(sizes)
+    inside_fused_scatter = False
+    for line in hlo.splitlines():
+        if header := _COMPUTATION.match(line):
+            inside_fused_scatter = header["name"].startswith("all-reduce-scatter")
+            continue
+        match = _COLLECTIVE_LINE.match(line)
+        kind = "reduce-scatter" if _FUSED_SCATTER.search(line) else match and match["phase"] != "-start" and match["op"]
+        if kind and not inside_fused_scatter:
+            found[kind]["count"] += 1
+            found[kind]["bytes"] += sum(_shape_bytes(shape) for shape in _SHAPE.finditer(_result_type(line)))
     return found
+
+
+def _result_type(line: str) -> str:
+    """The result type of an HLO instruction line: between '=' and the opcode's '('."""
+    found = re.match(r"^\s*(?:ROOT )?%\S+ = (.+?) [\w-]+\(", line)
+    return found[1] if found else ""
 
 
 def _shape_bytes(shape: re.Match) -> int:

@@ -12,6 +12,9 @@ import sys
 import threading
 import traceback
 import warnings
+from typing import Any
+
+import numpy as np
 
 # reprs of library internals that mean nothing to a user: <bound method pybind11…>, <… object at 0x…>
 _LIBRARY_REPR = re.compile(r"<(?:bound method |built-in method |function )[^<>]*>|<[^<>]* object at 0x[0-9a-f]+>")
@@ -76,3 +79,13 @@ def tidy_cli_output() -> None:
 
 def _warning_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
+
+
+def is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool (for the configs' checks)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A Python or NumPy integer or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

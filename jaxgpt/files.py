@@ -3,6 +3,7 @@ target, then rename it into place (atomic on POSIX file systems)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -34,3 +35,23 @@ def write_json(path: str | os.PathLike, value: Any, **dump_options: Any) -> None
     """`value` as JSON (sorted keys, indented, a final newline), written atomically."""
     options = {"indent": 2, "sort_keys": True, **dump_options}
     write_atomically(path, json.dumps(value, **options) + "\n")
+
+
+def writable_directory(path: str | os.PathLike, instead: str) -> Path:
+    """`path` as a directory that takes new files, made if need be; a ValueError in one line
+    naming it and saying what to do (`instead`, e.g. "pass --out DIR") when it cannot be."""
+    path = Path(path)
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file, not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as error:
+        raise unwritable(path, error, instead) from None
+    return path
+
+
+def unwritable(path: str | os.PathLike, error: OSError, instead: str) -> ValueError:
+    """The one-line error for files that could not be written in or as `path`."""
+    reason = error.strerror or type(error).__name__
+    return ValueError(f"cannot write in {path} ({reason}): {instead}")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxgpt import ops
 from jaxgpt.attention import FORMS, KERNELS, Where
+from jaxgpt.axes import rows_split
 from jaxgpt.config import ComputeConfig, GPTConfig
 from jaxgpt.positions import SCHEMES
 
@@ -84,7 +85,7 @@ class Linear(nn.Module):
             y = ops.linear(x2, w2).reshape(*batch, *out_shape)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, out_shape, param_dtype).astype(dtype)
-        return y
+        return rows_split(y)
 
 
 class Int8Embed(nn.Module):
@@ -189,7 +190,7 @@ class CausalSelfAttention(nn.Module):
             return Dropout(cfg.dropout)(weights, deterministic)
 
         context, layer_cache = FORMS[cfg.attention].attend(
-            cfg, KERNELS[self.compute.kernel], q, k, v, where, layer_cache,
+            cfg, KERNELS[self.compute.on(jax.default_backend()).kernel], q, k, v, where, layer_cache,
             lambda w: scheme.bias(cfg, w), on_weights)
         out = Linear((cfg.d_model,), cfg, self.compute, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")
         return out(context), layer_cache
@@ -287,7 +288,7 @@ class GPT(nn.Module):
         else:
             wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtypes[0], param_dtype=dtypes[1],
                            name="wte")
-        x = SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, init, dtypes)
+        x = rows_split(SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, init, dtypes))
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
         x, new_layers = self.blocks(x, where, cache, positions, deterministic)
@@ -300,7 +301,7 @@ class GPT(nn.Module):
             logits = Linear((cfg.vocab_size,), cfg, compute, use_bias=False, name="lm_head")(x)
         if cfg.logits_bias:  # b_U
             logits = logits + self.param("logits_bias", nn.initializers.zeros, (cfg.vocab_size,), dtypes[1])
-        logits = logits.astype(jnp.float32)
+        logits = rows_split(logits.astype(jnp.float32))
         if cache is None:
             return logits
         return logits, cache.with_layers(new_layers, tokens.shape[-1])

@@ -15,11 +15,12 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgpt import ops
 from jaxgpt.attention import FORMS
+from jaxgpt.attention.kernels import AUTO, for_platform
 from jaxgpt.attention.kernels import KERNELS as KERNEL_FUNCTIONS
+from jaxgpt.errors import is_int
 from jaxgpt.positions import SCHEMES
 
 NORMS = ("layernorm", "rmsnorm")
@@ -171,7 +172,9 @@ class ComputeConfig:
 
     kernel: the softmax attention kernel (jaxgpt.attention.kernels): explicit = ops.attention;
       blocked = the same in query blocks that skip the keys the causal mask hides; xla /
-      cudnn = jax.nn.dot_product_attention (cudnn needs a CUDA GPU).
+      cudnn = jax.nn.dot_product_attention (cudnn needs a CUDA GPU); flash = Pallas's flash
+      attention (a TPU only); auto = the platform's own (flash on a TPU, cudnn on a GPU in
+      16 bits, explicit on a CPU), chosen for the devices a run compiles for (on).
     remat: recompute attention and the elementwise ops in the backward pass (less memory).
     dtype: the dtype the matmuls compute in. param_dtype: the dtype the parameters are kept
       in (training: also the optimizer's; sampling: the weights are cast to it once).
@@ -193,7 +196,7 @@ class ComputeConfig:
     weights: str = "float"
 
     def __post_init__(self):
-        _check_choice("ComputeConfig", "kernel", self.kernel, KERNEL_FUNCTIONS)
+        _check_choice("ComputeConfig", "kernel", self.kernel, (*KERNEL_FUNCTIONS, AUTO))
         _check_choice("ComputeConfig", "weights", self.weights, WEIGHTS)
         for name in ("dtype", "param_dtype"):
             _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
@@ -210,6 +213,11 @@ class ComputeConfig:
 
     def replace(self, **changes) -> ComputeConfig:
         return dataclasses.replace(self, **changes)
+
+    def on(self, platform: str) -> ComputeConfig:
+        """This config for devices of `platform` ('cpu', 'gpu', 'tpu'): kernel 'auto' becomes
+        that platform's kernel (kernels.for_platform); otherwise itself."""
+        return self.replace(kernel=for_platform(platform, self.dtype)) if self.kernel == AUTO else self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -251,13 +259,3 @@ def _check_choice(owner: str, name: str, value: Any, valid) -> None:
 def _check_bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{owner}.{name}={value!r}: must be True or False")
-
-
-def is_int(value: Any) -> bool:
-    """A Python or NumPy integer, not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    """A Python or NumPy integer or float, not a bool."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)

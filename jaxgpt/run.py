@@ -5,6 +5,7 @@
         init or restore the train state (a checkpoint, a GPT-2 checkpoint, or fresh)
         for each step: train, log, evaluate, save          (stops cleanly on SIGINT/SIGTERM)
         finish        the last checkpoint stands; say how to resume if stopped
+    write_sample      train.py's last act: the best model continues sample.prompt (sample.txt)
 
 A run directory holds everything about one run: config.json (the resolved config),
 tokenizer.json, checkpoints/, metrics.jsonl, and what the CLIs add (loss.png, sample.txt).
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import signal
 import sys
 import time
+import warnings
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,18 +31,23 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from jaxgpt import data, metrics, rundir, sharding
+from jaxgpt.attention.kernels import NEEDS
 from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
-from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
-from jaxgpt.errors import ConfigError, TrainingError
+from jaxgpt.config import ComputeConfig, GPTConfig, SampleConfig, TrainConfig
+from jaxgpt.errors import ConfigError, TrainingError, one_line
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.files import write_json
 from jaxgpt.lock import LockHeld, RunLock
-from jaxgpt.model import GPT, flops_per_token, layers_as, param_count
+from jaxgpt.model import GPT, flops_per_token, layers_as
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
+from jaxgpt.preflight import check_memory, check_sections, check_unknown, start_from
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
+from jaxgpt.sampling import SamplingOptions, generate
+from jaxgpt.text import encode_prompt
 from jaxgpt.training import TrainState, abstract_state, batch_fields, initialise_into, make_train_step, seeded
 
-__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train"]
+__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train",
+           "write_sample"]
 
 
 # --- the run directory ----------------------------------------------------------------------
@@ -84,23 +91,27 @@ def model_config(config, vocab_size: int) -> GPTConfig:
     return GPTConfig.from_dict(values)
 
 
-def compute_config(config) -> ComputeConfig:
-    """How the model runs here: the config's compute section, its kernel checked against
-    the devices (a CPU or TPU has no cuDNN)."""
-    compute = ComputeConfig.from_dict(dict(config.compute))
-    if compute.kernel == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(f"compute.kernel='cudnn' needs a CUDA GPU, but JAX sees only {jax.default_backend()} "
-                          "devices: use --config.compute.kernel=xla or explicit (the model computes the same)")
+def compute_config(config, platform: str | None = None) -> ComputeConfig:
+    """How the model runs on `platform` (default: JAX's backend here): the config's compute
+    section, its kernel checked against the devices (cuDNN needs a GPU, flash a TPU)."""
+    platform = platform or jax.default_backend()
+    compute = ComputeConfig.from_dict(dict(config.compute)).on(platform)
+    needs, device = NEEDS.get(compute.kernel, (platform, ""))
+    if needs != platform:
+        raise ConfigError(f"compute.kernel={compute.kernel!r} needs {device}, but the devices are {platform}: "
+                          "use --config.compute.kernel=xla or explicit (the model computes the same)")
     if compute.weights != "float":
         raise ConfigError(f"compute.weights={compute.weights!r} is weight-only quantisation for inference (sample.py "
                           "--weights int8): train with compute.weights='float'")
     return compute
 
 
-def open_run(config) -> Run:
+def open_run(config, explicit: Collection[str] = ()) -> Run:
     """Open (or start) the run directory of `config` and lock it for this process: decide
-    whether to resume, prepare the data, fix the model config, write config.json and
-    tokenizer.json, and make the mesh. `train` releases the lock when the run ends."""
+    whether to resume, check every section of the config (jaxgpt.preflight), prepare the data,
+    fix the model config, write config.json and tokenizer.json, and make the mesh. `explicit`:
+    the dotted keys the user set (train.py's overrides), which init_from may not replace.
+    `train` releases the lock when the run ends."""
     train_cfg = TrainConfig.from_mapping(config.train)
     directory = make_run_dir(config.run_dir)
     lock = RunLock(directory)
@@ -109,7 +120,7 @@ def open_run(config) -> Run:
         if note:
             print(f"jaxgpt: {note}", file=sys.stderr)
     try:
-        return _open_locked(config, train_cfg, directory, lock)
+        return _open_locked(config, train_cfg, directory, lock, explicit)
     except BaseException:
         lock.release()
         raise
@@ -128,6 +139,17 @@ def make_run_dir(run_dir: str) -> Path:
     return directory
 
 
+def check_config(config, explicit: Collection[str] = ()) -> tuple[Any, Any, Mesh, ComputeConfig]:
+    """(the config as the run uses it, init_from's tokenizer or None, the mesh, the compute
+    settings) once every check that needs no data has passed: init_from fixes the architecture
+    and the tokenizer (refusing a key of `explicit` it replaces), then every section is checked
+    before the data is read; the model's vocabulary comes with the tokenizer."""
+    config, tokenizer = start_from(config, explicit)
+    mesh = check_sections(config, TrainConfig.from_mapping(config.train))
+    model_config(config, vocab_size=1)
+    return config, tokenizer, mesh, compute_config(config)
+
+
 def _acquire(lock: RunLock) -> str | None:
     try:
         return lock.acquire()
@@ -138,27 +160,25 @@ def _acquire(lock: RunLock) -> str | None:
                           "--config.run_dir") from None
 
 
-def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock) -> Run:
+def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock, explicit: Collection[str]) -> Run:
     checkpoints = Checkpoints(directory, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpoints)
     resuming = rundir.resume_policy(config.resume, checkpoints)
-    tokenizer = None
-    if config.init_from:  # the checkpoint fixes the architecture and the tokenizer
-        config, tokenizer = rundir.resolve_init_from(config)
+    config, tokenizer, mesh, compute = check_config(config, explicit)
     corpus = data.prepare(config.data, tokenizer=tokenizer)
     if len(corpus.val) < 2:
         raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
                          "or give data.val_source")
-    cfg, compute = model_config(config, corpus.tokenizer.vocab_size), compute_config(config)
-    _check_memory(cfg, compute, train_cfg)
+    check_unknown(config, corpus)
+    cfg = model_config(config, corpus.tokenizer.vocab_size)
+    check_memory(cfg, compute, train_cfg)
     saved_compute = rundir.check_same_run(directory, cfg, compute, corpus.tokenizer) if resuming else None
     resolved = {**config.to_dict(), "model": cfg.to_dict(), "compute": compute.to_dict(),
                 "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
     if jax.process_index() == 0:
-        write_json(directory / CONFIG_FILE, resolved)
+        if max(checkpoints.steps(), default=0) <= train_cfg.steps:  # a run past its steps keeps its own record
+            write_json(directory / CONFIG_FILE, resolved)
         if not (directory / TOKENIZER_FILE).exists():  # pinned from the first step on: never rewritten
             corpus.tokenizer.save(directory / TOKENIZER_FILE)
-    mesh = sharding.make_mesh(config.mesh)
-    _check_batch_sizes(train_cfg, mesh)
     layouts = None
     if corpus.records:  # every example must fit (or be cut to) a row before the first step
         records = config.data.records
@@ -166,46 +186,6 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock)
                    for split in ("train", "val")}
     return Run(ConfigDict(resolved), train_cfg, cfg, compute, directory, corpus, checkpoints, resuming, mesh, lock,
                layouts, saved_compute)
-
-
-def _check_memory(cfg: GPTConfig, compute: ComputeConfig, train_cfg: TrainConfig) -> None:
-    """Refuse, before anything is allocated, a run that cannot fit: the parameters, their
-    gradients and the two AdamW moments (float32), plus one micro-batch's activations (per
-    layer ≈ (34·d + 5·H·T) half-precision values per token, the large-model estimate of
-    Korthikanti et al., and the logits with their softmax and gradient, 3·V float32 values per
-    token), against the devices' memory together, or on a CPU 90% of the RAM
-    (train.memory_limit_gib overrides either). An estimate, to stop the impossible early."""
-    count = param_count(cfg)
-    state = count * (2 * compute.params_dtype.itemsize + 2 * 4)
-    per_token = (cfg.n_layer * (34 * cfg.d_model + 5 * cfg.n_head * cfg.block_size) * compute.compute_dtype.itemsize / 2
-                 + 3 * cfg.vocab_size * 4)
-    need = state + train_cfg.batch_size * cfg.block_size * per_token
-    limit, where = _memory_limit(train_cfg)
-    if limit and need > limit:
-        raise ConfigError(f"the run needs about {need / 2**30:.1f} GiB ({count:,} parameters with their gradients "
-                          f"and AdamW state, and the activations of {train_cfg.batch_size} rows of "
-                          f"{cfg.block_size} tokens), more than the {limit / 2**30:.1f} GiB of {where}: make the model "
-                          "or the micro-batch smaller (model.vocab_size, n_layer, d_model; train.batch_size with "
-                          "train.grad_accum), or set train.memory_limit_gib")
-
-
-def _memory_limit(train_cfg: TrainConfig) -> tuple[float | None, str]:
-    if train_cfg.memory_limit_gib:
-        return train_cfg.memory_limit_gib * 2**30, "train.memory_limit_gib"
-    if jax.default_backend() == "cpu":
-        return 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "90% of this machine's RAM"
-    stats = [device.memory_stats() or {} for device in jax.devices()]
-    limits = [s.get("bytes_limit") for s in stats]
-    return (sum(limits), "the devices' memory") if all(limits) else (None, "")
-
-
-def _check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
-    divisor = sharding.batch_size_divisor(mesh)
-    for name in ("batch_size", "eval_batch_size"):
-        if getattr(train_cfg, name) % divisor:
-            on_cpu = " (on a CPU, --config.mesh.cpu_devices sets the number of devices)"
-            raise ValueError(f"train.{name}={getattr(train_cfg, name)} must be divisible by the mesh's data×fsdp "
-                             f"size {divisor}" + (on_cpu if jax.default_backend() == "cpu" else ""))
 
 
 # --- the state ------------------------------------------------------------------------------
@@ -251,10 +231,12 @@ def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, ab
     fields = batch_fields(train_cfg.grad_accum * train_cfg.batch_size, gpt.cfg.block_size, packed)
     batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=batches) for shape, dtype in fields)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), train_cfg.grad_accum)
+    step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), train_cfg.grad_accum, shardings.params)
     jitted = jax.jit(seeded(step), in_shardings=(shardings, (batches,) * len(batch), None),
-                     out_shardings=(shardings, None), donate_argnums=0)
-    return jitted.lower(abstract, batch, train_cfg.seed)
+                     out_shardings=(shardings, None), donate_argnums=0,
+                     compiler_options=sharding.compiler_options(mesh))
+    with jax.set_mesh(mesh):  # the activations keep their rows on their devices (axes.rows_split)
+        return jitted.lower(abstract, batch, train_cfg.seed)
 
 
 def _batch_maker(run: Run):
@@ -319,17 +301,19 @@ class StopRequested:
         return False
 
 
-def train(config) -> dict:
+def train(config, explicit: Collection[str] = ()) -> dict:
     """Run training as the config says (jaxgpt.config.default_config() lists every key);
     returns the final metrics, the step reached and what stopped it early, if anything.
-    Call sharding.start_jax(config) first for one CPU device per core or several hosts.
+    `explicit`: the dotted keys the user set (open_run). Call sharding.start_jax(config)
+    first for one CPU device per core or several hosts.
 
     SIGINT/SIGTERM at any moment (preparing data, compiling, training) stop the run at the
     next safe point with the last checkpoint written; a second signal stops at once."""
     with StopRequested() as stop:
-        run = open_run(config)
+        run = open_run(config, explicit)
         try:
-            return _train(run, stop)
+            with jax.set_mesh(run.mesh):  # every program traced here lays its activations out by the mesh (axes)
+                return _train(run, stop)
         finally:
             run.checkpoints.close()
             run.lock.release()
@@ -469,6 +453,9 @@ def _announcement(run: Run, start_step: int, tokens_per_step: int, peak: float |
 
 
 def _start(run: Run, start_step: int) -> str:
+    if start_step > run.train.steps:
+        return (f"at step {start_step}, past train.steps={run.train.steps}: nothing to train, and config.json keeps "
+                "the run's own settings (raise train.steps to go on; a shorter run needs another --config.run_dir)")
     if start_step:
         return f"resuming at step {start_step}"
     return f"starting from {run.config.init_from}" if run.config.init_from else "from scratch"
@@ -484,3 +471,30 @@ def _stopped_line(run: Run, interrupted: str, step: int) -> str:
     saved = run.checkpoints.steps()
     last = f"the last checkpoint is step {saved[-1]}" if saved else "there is no checkpoint yet"
     return f"stopped by {interrupted} at step {step}; {last} in {run.directory}. Run the same command again to resume."
+
+
+# --- the end --------------------------------------------------------------------------------
+
+
+def write_sample(config) -> str | None:
+    """The sample a finished run ends with (train.py): its best model continuing
+    config.sample.prompt, written to sample.txt and returned. A prompt the run's tokenizer
+    cannot encode (known only once the data is read) is a warning, and the model starts a
+    document instead, as after each <|eos|> of its corpus (no sample, None, for a tokenizer
+    without <|eos|>)."""
+    params, cfg, tokenizer = load_run(config.run_dir)
+    options, prompt = SampleConfig.from_mapping(config.sample), config.sample.prompt
+    try:
+        ids = encode_prompt(tokenizer, prompt)
+    except ValueError as error:
+        instead = "the sample starts a new document (after <|eos|>) instead" if tokenizer.eos_id is not None \
+            else "no sample"
+        warnings.warn(f"sample.prompt cannot be encoded ({one_line(error)}): {instead}", stacklevel=2)
+        if tokenizer.eos_id is None:
+            return None
+        ids, prompt = [tokenizer.eos_id], ""
+    drawing = SamplingOptions(options.max_new_tokens, temperature=options.temperature, top_k=options.top_k or None,
+                              eos_id=tokenizer.eos_id)
+    sample = prompt + tokenizer.decode(generate(params, cfg, [ids], config.train.seed, drawing).new_tokens()[0])
+    (Path(config.run_dir) / "sample.txt").write_text(sample)
+    return sample

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import convert, data, tokenizers
-from jaxgpt.checkpoint import Checkpoints
+from jaxgpt.checkpoint import Checkpoints, MismatchedCheckpoint
 from jaxgpt.config import RESUME, ComputeConfig, GPTConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.model import GPT, unstack_layers
@@ -196,20 +196,27 @@ def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
                    tokenizer: tokenizers.Tokenizer) -> ComputeConfig | None:
     """A resume continues the run in the directory: the same model and the same tokenizer
     (its checkpoints mean nothing under another mapping of ids to text). How it runs may
-    change; each change is said. Returns how the checkpoints were written (None: unknown)."""
+    change; each change is said. Returns how the checkpoints were written (None: unknown,
+    when config.json is missing: then the newest checkpoint's shapes must be cfg's)."""
     saved_path = directory / CONFIG_FILE
     written = None
     if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
-        saved_model = _saved_model(saved.get("model"))
-        if saved_model != cfg:  # fields added since the run began take their defaults
-            raise TrainingError(f"{directory} holds a run of another model ({saved.get('model')}); resume it with its "
-                                "own config or choose another --config.run_dir")
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise TrainingError(f"{saved_path} does not parse ({err}): restore the run's own {CONFIG_FILE}, or choose "
+                                "another --config.run_dir") from None
+        different = _model_differences(saved_path, saved.get("model"), cfg)
+        if different:
+            raise TrainingError(f"{directory} holds a run of another model ({different}, saved → asked); resume it "
+                                "with its own config or choose another --config.run_dir")
         written = saved_compute(saved)
         changes = [f"{key} {old!r} → {new!r}" for key, old in written.to_dict().items()
                    if (new := getattr(compute, key)) != old]
         if changes:
             print(f"jaxgpt: resuming with other compute settings: {', '.join(changes)}", file=sys.stderr)
+    else:
+        _check_checkpoint_shapes(directory, cfg, compute)
     pinned_path = directory / TOKENIZER_FILE
     if pinned_path.exists() and tokenizers.load(pinned_path) != tokenizer:
         raise TrainingError(f"the data now makes another tokenizer than {pinned_path}, which this run's checkpoints "
@@ -217,6 +224,35 @@ def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
                             f"{pinned_path} to read new data with the run's tokenizer, or choose another "
                             "--config.run_dir")
     return written
+
+
+def _model_differences(saved_path: Path, saved_values, cfg: GPTConfig) -> str:
+    """The fields of a saved model section that differ from cfg, as 'name: saved → asked'
+    ('' when none do; fields added since the run began take their defaults). TrainingError
+    when the section is not a model's."""
+    saved_model = _saved_model(saved_values)
+    if saved_model is None:
+        raise TrainingError(f"{saved_path} holds no valid model section: restore the run's own {CONFIG_FILE}, or "
+                            "choose another --config.run_dir")
+    saved, asked = saved_model.to_dict(), cfg.to_dict()
+    return ", ".join(f"{name}: {saved[name]!r} → {value!r}" for name, value in asked.items() if saved[name] != value)
+
+
+def _check_checkpoint_shapes(directory: Path, cfg: GPTConfig, compute: ComputeConfig) -> None:
+    """Without config.json, the model the newest checkpoint holds is known only by its shapes:
+    they must be those of cfg (in compute's layout, the one the restore asks for). Refused
+    before anything of the run directory is written."""
+    model = GPT(cfg, compute)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    checkpoints = Checkpoints(directory, read_only=True)
+    try:
+        checkpoints.check_params(abstract)
+    except MismatchedCheckpoint as error:
+        raise TrainingError(f"{directory} has no {CONFIG_FILE}, and its checkpoint at step {error.step} holds "
+                            f"another model ({error.differences}): resume it with the config it was written with, or "
+                            "choose another --config.run_dir") from None
+    finally:
+        checkpoints.close()
 
 
 def _saved_model(values) -> GPTConfig | None:

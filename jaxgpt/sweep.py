@@ -4,34 +4,66 @@
         --grid train.lr=1e-3,3e-4 [--seeds 0,1] --out runs/sweep-NAME [--config.train.steps=300 …]
 
 Each cell is the config with its grid values (and seed) set as command-line overrides would
-set them, trained by the same code path as train.py into OUT/<cell>/. Run the same command
-again and it resumes: finished cells are skipped and an interrupted one resumes from its last
-checkpoint. A combination the config refuses (e.g. post-norm with the parallel block) is
-reported and left out. OUT/summary.csv has one row per cell (final and best validation loss,
-bits per byte, tokens/s, parameters); OUT/summary.md the same per setting as mean ± std over
-the seeds; OUT/val_loss.png every cell's validation loss against step.
+set them, trained by the same code path as train.py into OUT/<cell>/; the grid's keys and the
+command line's count as set by the user, so init_from refuses to replace them. Every cell's config
+is checked before the first is trained: a grid value that no cell accepts (a typo) stops the sweep
+with nothing trained, and a combination the config refuses (e.g. post-norm with the parallel
+block) is reported and left out. Run the same command again and it resumes: a cell finished with
+the same config (OUT/cells.json records each cell's) is skipped, any other is trained (an
+interrupted one resumes from its last checkpoint, one that holds another model is refused).
+
+OUT/summary.csv has one row per cell trained as asked (final and best validation loss, bits per
+byte, tokens/s, parameters); OUT/summary.md the same per setting as mean ± std over the seeds,
+and the cells left out with why; OUT/val_loss.png every such cell's validation loss against step.
+The sweep exits 1 when a cell failed, 2 when nothing could be trained.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import json
 import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 from jaxgpt import metrics, run, sharding, viz
 from jaxgpt.checkpoint import CheckpointError
-from jaxgpt.cli import parse_config
+from jaxgpt.cli import overridden_keys, parse_config
 from jaxgpt.config import GPTConfig
-from jaxgpt.errors import ConfigError, tidy_cli_output
+from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
+from jaxgpt.files import unwritable, writable_directory, write_json
 from jaxgpt.model import param_count
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
 COLUMNS = ("cell", "seed", "final_val_loss", "best_val_loss", "val_bpb", "tokens_per_sec", "params", "steps")
+RECORD_FILE = "cells.json"  # each finished cell's config as asked: a rerun skips it only when that is unchanged
+SET_BY_THE_SWEEP = {"train.seed": "--seeds", "run_dir": "--out"}
+RUN_ERRORS = (ValueError, OSError, run.TrainingError, CheckpointError)
+
+
+@dataclasses.dataclass
+class Cell:
+    """One run of the sweep: its grid values and seed, its config, and what became of it."""
+
+    name: str
+    setting: dict[str, str]
+    seed: int
+    config: Any = None  # the parsed config (None when it does not parse)
+    refused: str | None = None  # why the config refuses this cell, found before any cell trains
+    status: str = ""  # done, skipped (finished), failed: …, stopped
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"--config.{key}={value}" for key, value in self.setting.items()]
+
+    @property
+    def trained_as_asked(self) -> bool:
+        return self.status in ("done", "skipped (finished)")
 
 
 def parse_args(argv):
@@ -43,26 +75,118 @@ def parse_args(argv):
     return parser.parse_known_args(argv)
 
 
-def grid_of(specs: list[str]) -> dict[str, list[str]]:
+def grid_of(specs: list[str], config_argv: list[str] = ()) -> dict[str, list[str]]:
+    """{key: its values} of the --grid flags; a key given twice, a value listed twice, or a key
+    the command line or the sweep itself sets too is refused (one of them would be dropped)."""
     grid = {}
     for spec in specs:
         key, _, values = spec.partition("=")
         if not key or not values:
             raise ConfigError(f"--grid {spec!r}: write KEY=V1,V2,… (e.g. model.positions=learned,rope)")
-        grid[key] = values.split(",")
+        if key in grid:
+            raise ConfigError(f"--grid {key} is given twice: put all its values in one --grid {key}=V1,V2,…")
+        if key in SET_BY_THE_SWEEP:
+            raise ConfigError(f"--grid {key}: the sweep sets {key} itself; use {SET_BY_THE_SWEEP[key]}")
+        grid[key] = _distinct(values.split(","), f"--grid {spec}")
+    both = [key for key in overridden_keys(list(config_argv)) if key in grid]
+    if both:
+        raise ConfigError(f"{both[0]} is both swept (--grid) and set (--config.{both[0]}=…): keep one of them")
     return grid
 
 
-def cells(grid: dict[str, list[str]], seeds: list[int]) -> list[tuple[str, list[str], int]]:
-    """(name, overrides, seed) of every cell of the grid × seeds."""
+def seeds_of(text: str) -> list[int]:
+    try:
+        seeds = [int(seed) for seed in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: write integers separated by commas (e.g. 0,1,2)") from None
+    return _distinct(seeds, f"--seeds {text}")
+
+
+def _distinct(values: list, where: str) -> list:
+    if "" in values:
+        raise ConfigError(f"{where}: a value is empty; write V1,V2,… without an empty one")
+    repeated = next((value for value in values if values.count(value) > 1), None)
+    if repeated is not None:
+        raise ConfigError(f"{where}: {repeated!r} is listed twice, which would train one run and count it twice: "
+                          "list each value once")
+    return values
+
+
+def cells(grid: dict[str, list[str]], seeds: list[int]) -> list[Cell]:
+    """Every cell of the grid × seeds, each with a directory name of its own."""
     out = []
     for values in itertools.product(*grid.values()):
         setting = dict(zip(grid, values, strict=True))
         name = ",".join(f"{key.split('.')[-1]}={value}" for key, value in setting.items())
-        for seed in seeds:
-            cell = re.sub(r"[^\w.,=+-]+", "_", f"{name},seed={seed}")
-            out.append((cell, [f"--config.{k}={v}" for k, v in setting.items()], seed))
+        out.extend(Cell(re.sub(r"[^\w.,=+-]+", "_", f"{name},seed={seed}"), setting, seed) for seed in seeds)
+    names = [cell.name for cell in out]
+    clash = next((name for name in names if names.count(name) > 1), None)
+    if clash is not None:
+        raise ConfigError(f"two cells would share the directory {clash!r} (values that differ only in characters "
+                          "a directory name cannot hold): write the values differently")
     return out
+
+
+# --- every cell checked before the first is trained -------------------------------------------
+
+
+def parse_cells(plan: list[Cell], config_argv: list[str], out: Path) -> None:
+    """Each cell's config, or why it does not parse (cell.refused)."""
+    for cell in plan:
+        try:
+            cell.config = parse_config(["sweep", *config_argv, *cell.overrides, f"--config.train.seed={cell.seed}",
+                                        f"--config.run_dir={out / cell.name}"], DEFAULT_CONFIG)
+        except ConfigError as error:
+            cell.refused = str(error)
+
+
+def check_cells(plan: list[Cell], config_argv: list[str]) -> None:
+    """Every check a run makes before it reads its data, for each cell (run.check_config: the
+    config schema, init_from and the mesh); then a ConfigError when a grid value is refused in
+    every cell that has it, or two cells are one run: nothing is trained then."""
+    for cell in plan:
+        if cell.refused is None:
+            try:
+                run.check_config(cell.config, explicit(cell, config_argv))
+            except RUN_ERRORS as error:
+                cell.refused = one_line(error, limit=2000)
+    if all(cell.refused for cell in plan):
+        raise ConfigError(f"every cell of the sweep is refused, so nothing was trained; {plan[0].name}: "
+                          f"{plan[0].refused}")
+    for key in plan[0].setting:
+        for value in dict.fromkeys(cell.setting[key] for cell in plan):
+            having = [cell for cell in plan if cell.setting[key] == value]
+            if all(cell.refused for cell in having):
+                raise ConfigError(f"--grid {key}={value} is refused in every cell ({having[0].refused}): correct "
+                                  "or drop the value; nothing was trained")
+    _refuse_the_same_run_twice([cell for cell in plan if not cell.refused])
+
+
+def _refuse_the_same_run_twice(plan: list[Cell]) -> None:
+    """Two spellings of one value (True and true, 1e-3 and 0.001) make two cells of one run."""
+    seen = {}
+    for cell in plan:
+        key = json.dumps(as_asked(cell.config), sort_keys=True)
+        if key in seen:
+            raise ConfigError(f"cells {seen[key]} and {cell.name} are the same run (their values mean the same): "
+                              "list each value of --grid once")
+        seen[key] = cell.name
+
+
+def explicit(cell: Cell, config_argv: list[str]) -> list[str]:
+    """The keys the user set for this cell: the command line's and the grid's (init_from may not replace them)."""
+    return overridden_keys([*config_argv, *cell.overrides])
+
+
+def as_asked(config) -> dict:
+    """The config as plain JSON values, to compare with the one a finished cell recorded; its
+    run_dir (always OUT/<cell>) left out, so that a sweep's directory may be moved."""
+    asked = json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
+    asked.pop("run_dir")
+    return asked
+
+
+# --- training -------------------------------------------------------------------------------
 
 
 def finished(directory: Path, steps: int) -> bool:
@@ -70,41 +194,86 @@ def finished(directory: Path, steps: int) -> bool:
     return bool(records) and records[-1]["step"] >= steps and any((directory / "checkpoints").glob("[0-9]*"))
 
 
-def run_cell(argv: list[str], out: Path, cell: str, overrides: list[str], seed: int) -> str:
-    """Train one cell unless it is finished; 'done', 'skipped', 'invalid: …' or 'stopped'."""
-    config = parse_config([*argv, *overrides, f"--config.train.seed={seed}", f"--config.run_dir={out / cell}"],
-                          DEFAULT_CONFIG)
-    if finished(out / cell, config.train.steps):
-        return "skipped (finished)"
+def run_cell(cell: Cell, out: Path, config_argv: list[str], record: dict) -> str:
+    """Train one cell unless it finished with this very config; 'done', 'skipped (finished)',
+    'failed: …' or 'stopped'. A cell that trains to its end is recorded in OUT/cells.json; one
+    that finished with other settings is not this config's run, and is refused."""
+    asked = as_asked(cell.config)
+    if cell.name in record and finished(out / cell.name, cell.config.train.steps):
+        if record[cell.name] == asked:
+            return "skipped (finished)"
+        return (f"failed: {out / cell.name} finished with other settings ({differences(record[cell.name], asked)}, "
+                "trained → asked), so its results are not this sweep's: give another --out, or the settings it was "
+                "trained with")
     try:
-        result = run.train(config)
-    except (ValueError, run.TrainingError) as error:  # this combination cannot be trained
-        return f"invalid: {error}"
-    return "stopped" if result["interrupted"] else "done"
+        result = run.train(cell.config, explicit=explicit(cell, config_argv))
+    except RUN_ERRORS as error:
+        return f"failed: {one_line(error, limit=2000)}"
+    if result["interrupted"]:
+        return "stopped"
+    record[cell.name] = asked
+    write_json(out / RECORD_FILE, record)
+    return "done"
 
 
-def summarize(out: Path, names: list[tuple[str, int]]) -> tuple[list[dict], dict[str, list[tuple[int, float]]]]:
-    """A row per evaluated cell, and each cell's validation loss against step."""
+def differences(saved: dict, asked: dict, shown: int = 3) -> str:
+    """'key: old → new' for the first `shown` dotted keys whose values differ."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        items = {}
+        for key, value in tree.items():
+            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return items
+
+    old, new = flat(saved), flat(asked)
+    keys = [key for key in dict.fromkeys([*old, *new]) if old.get(key) != new.get(key)]
+    listed = [f"{key}: {old.get(key)!r} → {new.get(key)!r}" for key in keys[:shown]]
+    return ", ".join(listed) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
+def read_record(out: Path) -> dict:
+    try:
+        return json.loads((out / RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or damaged: the cells are trained (a finished one resumes at its end)
+        return {}
+
+
+def train_cells(plan: list[Cell], out: Path, config_argv: list[str]) -> bool:
+    """Train the cells the config accepts, in order; False when a signal stopped the sweep."""
+    record = read_record(out)
+    for i, cell in enumerate(plan, start=1):
+        if cell.refused is not None:
+            continue
+        cell.status = run_cell(cell, out, config_argv, record)
+        print(f"[{i}/{len(plan)}] {cell.name}: {cell.status}", file=sys.stderr)
+        if cell.status == "stopped":
+            return False
+    return True
+
+
+# --- the summary ----------------------------------------------------------------------------
+
+
+def summarize(out: Path, plan: list[Cell]) -> tuple[list[dict], dict[str, list[tuple[int, float]]]]:
+    """A row per cell trained as asked in this sweep and evaluated, and its validation loss against step."""
     rows, curves = [], {}
-    for cell, seed in names:
-        records = metrics.current_records(metrics.read_metrics(out / cell))
+    for cell in plan:
+        if not cell.trained_as_asked:
+            continue
+        records = metrics.current_records(metrics.read_metrics(out / cell.name))
         evaluated = [r for r in records if r.get("val_loss") is not None]
         if not evaluated:
             continue
-        model = json.loads((out / cell / run.CONFIG_FILE).read_text())["model"]
-        rows.append({"cell": cell, "seed": seed, "final_val_loss": evaluated[-1]["val_loss"],
+        model = json.loads((out / cell.name / run.CONFIG_FILE).read_text())["model"]
+        rows.append({"cell": cell.name, "seed": cell.seed, "final_val_loss": evaluated[-1]["val_loss"],
                      "best_val_loss": min(r["val_loss"] for r in evaluated), "val_bpb": evaluated[-1]["val_bpb"],
                      "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in records),
                      "params": param_count(GPTConfig.from_dict(model)), "steps": records[-1]["step"]})
-        curves[cell] = [(r["step"], r["val_loss"]) for r in evaluated]
+        curves[cell.name] = [(r["step"], r["val_loss"]) for r in evaluated]
     return rows, curves
 
 
-def write_summary(out: Path, rows: list[dict], curves: dict[str, list[tuple[int, float]]]) -> None:
-    with open(out / "summary.csv", "w", newline="") as file:
-        writer = csv.DictWriter(file, COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+def summary_table(rows: list[dict]) -> list[str]:
+    """summary.md's table: a row per setting, mean ± std over its seeds."""
     settings: dict[str, list[dict]] = {}
     for row in rows:
         settings.setdefault(row["cell"].rsplit(",seed=", 1)[0], []).append(row)
@@ -118,8 +287,54 @@ def write_summary(out: Path, rows: list[dict], curves: dict[str, list[tuple[int,
 
         lines.append(f"| {setting} | {len(group)} | {stat('final_val_loss', '.4f')} | {stat('best_val_loss', '.4f')} "
                      f"| {stat('val_bpb', '.3f')} | {stat('tokens_per_sec', ',.0f')} | {group[0]['params']:,} |")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    viz.plot_curves(curves, out / "val_loss.png", title=out.name)
+    return lines
+
+
+def left_out(plan: list[Cell]) -> list[str]:
+    """summary.md's lines for the cells that are not in its table, and why."""
+    lines = [f"- {cell.name}: refused by the config: {cell.refused}" for cell in plan if cell.refused]
+    lines += [f"- {cell.name}: {cell.status}" for cell in plan if cell.status.startswith("failed")]
+    return ["", "Not in this table:", *lines] if lines else []
+
+
+def write_summary(out: Path, plan: list[Cell]) -> None:
+    """summary.csv, summary.md and val_loss.png of the cells this sweep trained as asked (a
+    picture left by an earlier sweep with no such cell is removed)."""
+    rows, curves = summarize(out, plan)
+    with open(out / "summary.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "summary.md").write_text("\n".join([*summary_table(rows), *left_out(plan)]) + "\n")
+    if curves:
+        viz.plot_curves(curves, out / "val_loss.png", title=out.name)
+    else:
+        (out / "val_loss.png").unlink(missing_ok=True)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def sweep(args, config_argv: list[str]) -> list[Cell] | None:
+    """Plan, check and train the sweep, then write its summary; None when a signal stopped it."""
+    out = Path(args.out)
+    plan = cells(grid_of(args.grid, config_argv), seeds_of(args.seeds))
+    parse_cells(plan, config_argv, out)
+    first = next((cell.config for cell in plan if cell.config is not None), None)
+    if first is not None:
+        sharding.start_jax(first)  # once, before JAX starts: the cells share the process
+    check_cells(plan, config_argv)
+    for cell in plan:
+        if cell.refused:
+            print(f"[left out] {cell.name}: refused by the config: {cell.refused}", file=sys.stderr)
+    writable_directory(out, "choose another --out")
+    if not train_cells(plan, out, config_argv):
+        return None
+    try:
+        write_summary(out, plan)
+    except OSError as error:
+        raise unwritable(out, error, "choose another --out") from None
+    return plan
 
 
 def main(argv=None) -> int:
@@ -129,25 +344,25 @@ def main(argv=None) -> int:
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.FATAL)  # orbax's failures reach jaxgpt as exceptions
-    out = Path(args.out)
     try:
-        seeds = [int(seed) for seed in args.seeds.split(",")]
-        plan = cells(grid_of(args.grid), seeds)
-        first = parse_config(["sweep", *config_argv, *plan[0][1]], DEFAULT_CONFIG)
-        sharding.start_jax(first)  # once, before JAX starts: the cells share the process
-        out.mkdir(parents=True, exist_ok=True)
-        for i, (cell, overrides, seed) in enumerate(plan, start=1):
-            status = run_cell(["sweep", *config_argv], out, cell, overrides, seed)
-            print(f"[{i}/{len(plan)}] {cell}: {status}", file=sys.stderr)
-            if status == "stopped":
-                print("sweep stopped; run the same command again to resume", file=sys.stderr)
-                return 130
-        write_summary(out, *summarize(out, [(cell, seed) for cell, _, seed in plan]))
-    except (ValueError, OSError, CheckpointError) as error:
-        print(f"jaxgpt.sweep: error: {error}", file=sys.stderr)
+        plan = sweep(args, config_argv)
+    except RUN_ERRORS as error:
+        print(f"jaxgpt.sweep: error: {one_line(error, limit=2000)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second signal before a cell began training: nothing to save
+        plan = None
+    if plan is None:
+        print("sweep stopped; run the same command again to resume", file=sys.stderr)
+        return 130
+    out = Path(args.out)
     print((out / "summary.md").read_text(), end="")
-    print(f"wrote {out / 'summary.csv'}, summary.md, val_loss.png")
+    print(f"wrote {out / 'summary.csv'}, summary.md" + (", val_loss.png" if (out / "val_loss.png").exists() else ""))
+    failed = [cell for cell in plan if cell.status.startswith("failed")]
+    if failed:
+        print(f"jaxgpt.sweep: error: {len(failed)} of {len(plan)} cells failed ({failed[0].name}: "
+              f"{failed[0].status.removeprefix('failed: ')}); the summary holds only the cells trained as asked",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -59,7 +59,7 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *,
 
 
 def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
-                    grad_accum: int = 1):
+                    grad_accum: int = 1, grad_shardings=None):
     """train_step(state, batch, key) for a batch of k·B rows (k = grad_accum): batch is
     (inputs, targets) of a text stream, or (inputs, targets, mask, positions, segments) of
     packed examples (the loss only on the targets where mask is True; see GPT).
@@ -68,7 +68,11 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
     way the whole batch does. Each micro-batch's loss is its masked targets' losses summed
     over the count of masked targets in the whole batch, so the k losses and their
     gradients, summed in a lax.scan (one gradient-sized buffer), are exactly those of one
-    batch of k·B rows, however unevenly the mask falls."""
+    batch of k·B rows, however unevenly the mask falls.
+
+    grad_shardings (the params' NamedShardings): each micro-batch's gradient is laid out as
+    its parameter is, so under fsdp it is reduce-scattered into the sum's shards (not
+    all-reduced whole, as a sum of unknown layout would be)."""
     model = as_model(model)
     use_dropout = model.cfg.dropout > 0
     k = grad_accum
@@ -83,9 +87,11 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
             dropout_key = jax.random.fold_in(key, i) if use_dropout else None
             loss, grads = jax.value_and_grad(loss_fn, argnums=1)(
                 model, state.params, x, y, mask, dropout_key, positions=positions, segments=segments, count=count)
-            return jax.tree.map(jnp.add, grad_sum, grads), loss
+            return laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads))), loss
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        laid_out = (lambda tree: tree) if grad_shardings is None else (  # noqa: E731
+            lambda tree: jax.lax.with_sharding_constraint(tree, grad_shardings))
+        zeros = laid_out(jax.tree.map(jnp.zeros_like, state.params))
         grads, losses = jax.lax.scan(micro_step, zeros, (micro_batches, jnp.arange(k)))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -34,6 +34,7 @@ from matplotlib.ticker import EngFormatter
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.config import GPTConfig
 from jaxgpt.errors import tidy_cli_output
+from jaxgpt.files import unwritable, writable_directory
 from jaxgpt.metrics import current_records, read_metrics
 from jaxgpt.model import GPT, layers_as
 from jaxgpt.run import load_run
@@ -310,17 +311,29 @@ def run(args) -> Path:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the directory a training run wrote")
+    out = Path(args.out) if args.out else run_dir / DEFAULT_FILES[args.command]
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory: name the PNG file to write, e.g. --out {out / out.name}.png")
+    writable_directory(out.parent, "pass --out FILE to draw it elsewhere")  # before the work, not after it
+    try:
+        return _draw(args, run_dir, out)
+    except OSError as error:
+        raise unwritable(out.parent, error, "pass --out FILE to draw it elsewhere") from None
+
+
+DEFAULT_FILES = {"loss": "loss.png", "attention": "attention.png", "next": "next_token.png"}
+
+
+def _draw(args, run_dir: Path, out: Path) -> Path:
     if args.command == "loss":
         if not read_metrics(run_dir):
             raise ValueError(f"{run_dir} has no metrics.jsonl records yet: nothing to plot")
-        return plot_loss(run_dir, args.out)
+        return plot_loss(run_dir, out)
     params, cfg, tokenizer = load_run(run_dir)
     ids = encode_prompt(tokenizer, args.prompt)
     if args.command == "attention":
-        return draw_attention(params, cfg, tokenizer, ids, args.out or run_dir / "attention.png", args.layer,
-                              run_dir.name)
-    return draw_next_token(params, cfg, tokenizer, ids, args.out or run_dir / "next_token.png", args.k,
-                           run_dir.name)
+        return draw_attention(params, cfg, tokenizer, ids, out, args.layer, run_dir.name)
+    return draw_next_token(params, cfg, tokenizer, ids, out, args.k, run_dir.name)
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,14 @@ import pytest
 from processes import finished, free_port, with_devices
 
 from jaxgpt import checkpoint
-from jaxgpt.checkpoint import CHECKSUMS, CheckpointError, Checkpoints, NonFiniteState, tree_checksums
+from jaxgpt.checkpoint import (
+    CHECKSUMS,
+    CheckpointError,
+    Checkpoints,
+    MismatchedCheckpoint,
+    NonFiniteState,
+    tree_checksums,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,6 +169,52 @@ def test_tensors_replaced_by_another_steps_intact_files_are_found(tmp_path, capl
     restored, step = checkpoints.restore(abstract())
     assert step == 2 and float(restored["params"]["b"][0]) == -2.0
     assert "checkpoint at step 3" in caplog.text and "does not match the checksum" in caplog.text
+    checkpoints.close()
+
+
+def reshaped(tree: dict, path: tuple[str, ...], shape: tuple[int, ...]) -> dict:
+    """`tree` (of ShapeDtypeStructs) with the leaf at `path` given another shape."""
+    *parents, name = path
+    node = tree
+    for key in parents:
+        node = node[key]
+    node[name] = jax.ShapeDtypeStruct(shape, node[name].dtype, sharding=node[name].sharding)
+    return tree
+
+
+def test_asking_for_another_models_shapes_moves_nothing_and_names_them(tmp_path, caplog):
+    """Intact checkpoints asked for with other shapes or other tensors (a config that changed):
+    the caller is told which tensors differ, saved against asked (state() saves w as 2×3 and
+    b as 3), and every step stays where it is."""
+    directory = saved(tmp_path)
+    caplog.set_level(logging.WARNING)
+    checkpoints = Checkpoints(tmp_path, keep=5, async_save=False)
+    asked = reshaped(reshaped(abstract(), ("opt_state", "mu"), (2, 4)), ("params", "w"), (2, 4))
+    with pytest.raises(MismatchedCheckpoint, match=r"step 3 .* holds another model than the one asked for "
+                       r"\(params/w saved \(2, 3\) against asked \(2, 4\); opt_state/mu saved \(2, 3\) against "
+                       r"asked \(2, 4\)\).*nothing was moved"):
+        checkpoints.restore(asked)
+    more = abstract()
+    more["params"]["extra"] = jax.ShapeDtypeStruct((3,), jnp.float32)
+    with pytest.raises(MismatchedCheckpoint, match=r"params/extra asked but not saved"):
+        checkpoints.restore_params(more["params"])
+    fewer = abstract()
+    del fewer["opt_state"]
+    with pytest.raises(MismatchedCheckpoint, match=r"opt_state/mu saved but not asked"):
+        checkpoints.restore(fewer)
+    assert checkpoints.steps() == [1, 2, 3] and not (tmp_path / "damaged_checkpoints").exists()
+    assert sorted(p.name for p in directory.iterdir()) == ["1", "2", "3"] and "damaged" not in caplog.text
+    restored, step = checkpoints.restore(abstract())  # the model they hold restores as before
+    assert step == 3 and float(restored["params"]["b"][0]) == -3.0
+    checkpoints.close()
+
+
+def test_asking_for_a_step_that_is_not_there_names_the_steps_that_are(tmp_path):
+    saved(tmp_path, steps=(10, 20))
+    checkpoints = Checkpoints(tmp_path, read_only=True)
+    for restore in (checkpoints.restore, checkpoints.restore_params):
+        with pytest.raises(CheckpointError, match=r"^no checkpoint at step 999 in .*: the steps there are 10, 20$"):
+            restore(abstract() if restore == checkpoints.restore else abstract()["params"], step=999)
     checkpoints.close()
 
 

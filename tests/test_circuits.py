@@ -95,22 +95,48 @@ def test_ranks_energy_and_token_circuits(params):
     assert circuits.top_copies(np.array([[0.1, 3.0, 2.0], [5.0, 1.0, 1.0]]), k=2).tolist() == [[1, 2], [0, 1]]
 
 
-def test_circuits_cli_on_a_run(tmp_path, capsys):
+def write_run(run):
+    """A run directory of a random 2-layer char model, as training writes it."""
     from jaxgpt import tokenizers
-    from jaxgpt.analysis.__main__ import main
     from jaxgpt.checkpoint import Checkpoints
 
     tokenizer = tokenizers.train_tokenizer("char", ["the cat sat on the mat"])
     cfg = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=8, n_layer=2, n_head=2, d_model=16)
-    run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"model": cfg.to_dict()}))
     tokenizer.save(run / "tokenizer.json")
     checkpoints = Checkpoints(run)
     checkpoints.save(1, {"step": jnp.int32(1), "params": random_params(cfg), "opt_state": ()})
     checkpoints.close()
+    return run
+
+
+def test_circuits_cli_on_a_run(tmp_path, capsys):
+    from jaxgpt.analysis.__main__ import main
+
+    run = write_run(tmp_path / "run")
     assert main(["circuits", str(run), "--top_k", "2"]) == 0
     out = capsys.readouterr().out
     assert "strongest Q-composition: layer 0 head" in out and "OV top-2" in out
     for name in ("circuits.json", "circuits_composition.png", "circuits_spectra.png"):
         assert (run / name).stat().st_size > 100
+
+
+def test_circuits_that_cannot_be_written_say_where_to_write_instead(tmp_path, capsys, monkeypatch):
+    from test_eval import refuse_writes_in
+
+    from jaxgpt.analysis.__main__ import main
+
+    run = write_run(tmp_path / "run")
+    (tmp_path / "file").write_text("mine")
+    assert main(["circuits", str(run), "--out", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err.strip() == (f"jaxgpt.analysis: error: cannot write in {tmp_path / 'file'} (a file, "
+                                               "not a directory): pass --out DIR to write circuits.json and its "
+                                               "pictures elsewhere")
+    assert (tmp_path / "file").read_text() == "mine"
+    refuse_writes_in(monkeypatch, run)  # a read-only run directory
+    assert main(["circuits", str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (f"jaxgpt.analysis: error: cannot write in {run} (Permission denied): "
+                                               "pass --out DIR to write circuits.json and its pictures elsewhere")
+    assert main(["circuits", str(run), "--out", str(tmp_path / "elsewhere")]) == 0
+    assert (tmp_path / "elsewhere" / "circuits.json").exists() and not (run / "circuits.json").exists()

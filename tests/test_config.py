@@ -27,7 +27,7 @@ def test_defaults_are_gpt2():
         (dict(norm="batchnorm"), r"norm='batchnorm': must be one of layernorm, rmsnorm"),
         (dict(norm_position="middle"), r"norm_position='middle': must be one of pre, post"),
         (dict(activation="tanh"), r"activation='tanh': must be one of gelu, gelu_exact, relu, swiglu, geglu"),
-        (dict(attention="flash"), r"attention='flash': must be one of softmax, linear, local"),
+        (dict(attention="ring"), r"attention='ring': must be one of softmax, linear, local"),
         (dict(attention="xla"), r"attention='xla' is a kernel.*set compute.kernel='xla'"),
         (dict(attention="local"), r"window=None with attention='local'"),
         (dict(window=8), r"window=8 with attention='softmax'"),
@@ -48,7 +48,7 @@ def test_impossible_settings_raise(changes, expected):
 
 
 @pytest.mark.parametrize("changes, expected", [
-    (dict(kernel="flash"), r"ComputeConfig.kernel='flash': must be one of explicit, blocked, xla, cudnn"),
+    (dict(kernel="ring"), r"ComputeConfig.kernel='ring': must be one of explicit, blocked, xla, cudnn, flash"),
     (dict(dtype="int8"), r"ComputeConfig.dtype='int8': must be one of"),
     (dict(remat="yes"), r"ComputeConfig.remat='yes': must be True or False"),
 ])
@@ -163,3 +163,93 @@ def test_a_data_section_saved_with_the_flat_keys_of_before_reads_as_the_sections
     assert set(saved) - {"source"} == set(FLAT_DATA_KEYS)  # every flat key of before is read
     assert DataConfig.from_mapping(default_config().data) == DataConfig.from_mapping(dict(default_config().data)) \
         == DataConfig()
+
+
+# --- the command line: None for the keys whose default is None, config files that do not load -------
+
+
+def keys_whose_default_is_none(section, prefix=""):
+    for key, value in section.items():
+        if isinstance(value, dict):
+            yield from keys_whose_default_is_none(value, f"{prefix}{key}.")
+        elif value is None:
+            yield prefix + key
+
+
+NONE_KEYS = sorted(keys_whose_default_is_none(default_config().to_dict()))
+
+
+def value_of(config, dotted):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def test_the_keys_whose_default_is_none_include_the_records_templates_and_numbers():
+    expected = {"data.records.template", "data.vocab_size", "train.decay_steps", "model.d_ff", "init_from"}
+    assert expected <= set(NONE_KEYS)
+
+
+@pytest.mark.parametrize("key", NONE_KEYS)
+def test_every_key_whose_default_is_none_takes_none_on_the_command_line(key):
+    """Over a preset that sets it, where it does (data.records.template='qa', data.vocab_size=512)."""
+    from jaxgpt.cli import parse_config
+
+    config = parse_config(["train.py", "--config=configs/finetune_records.py", f"--config.{key}=None"],
+                          "configs/default.py")
+    expected = "runs/finetune_records" if key == "run_dir" else None  # run_dir None: runs/<config name>
+    assert value_of(config, key) == expected
+
+
+def test_the_last_of_several_overrides_of_a_key_wins_none_or_not():
+    from jaxgpt.cli import parse_config
+
+    args = ["train.py", "--config=configs/finetune_records.py"]
+    last_none = parse_config([*args, "--config.data.records.template=alpaca", "--config.data.records.template=None"],
+                             "configs/default.py")
+    last_value = parse_config([*args, "--config.data.records.template=None", "--config.data.records.template=chat"],
+                              "configs/default.py")
+    assert (last_none.data.records.template, last_value.data.records.template) == (None, "chat")
+
+
+def test_the_records_preset_takes_your_own_templates_from_the_command_line():
+    from jaxgpt.cli import parse_config
+    from jaxgpt.config import DataConfig
+    from jaxgpt.data import records
+
+    config = parse_config(["train.py", "--config=configs/finetune_records.py", "--config.data.records.template=None",
+                           "--config.data.records.prompt_template=Q: {q}\nA: ",
+                           "--config.data.records.completion_template={a}"], "configs/default.py")
+    forms = records.templates(DataConfig.from_mapping(config.data).records)
+    assert records.example_turns(records.Record({"q": "2+2", "a": "4"}, 0, 1, "r.jsonl:1"), forms) == [
+        ("Q: 2+2\nA: ", "4")]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("x = 1\n", r"^{file} defines no get_config\(\): .*configs/default.py"),
+    ("def get_config():\n    pass\n", r"^{file}: get_config\(\) returned NoneType, not a ConfigDict"),
+    ("def get_config():\n    return 1 / 0\n", r"^{file}:2: ZeroDivisionError: division by zero \(raised by"),
+    (None, r"^--config={file}: no such file"),
+])
+def test_a_config_file_that_does_not_load_is_a_one_line_error_naming_it(tmp_path, source, message):
+    from jaxgpt.cli import parse_config
+
+    path = tmp_path / "mine.py"
+    if source is not None:
+        path.write_text(source)
+    with pytest.raises(ConfigError, match=message.format(file=path)) as refused:
+        parse_config(["train.py", f"--config={path}"], "configs/default.py")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(temperature=float("inf")), r"^sample.temperature=inf: must be a finite number ≥ 0"),
+    (dict(top_k=2.5), r"^sample.top_k=2.5: must be an integer ≥ 0"),
+    (dict(prompt=None), r"^sample.prompt=None: must be a non-empty string"),
+])
+def test_impossible_sample_settings_raise(changes, expected):
+    from jaxgpt.config import SampleConfig
+
+    with pytest.raises(ConfigError, match=expected):
+        SampleConfig(**changes)
+    assert SampleConfig.from_mapping(default_config().sample) == SampleConfig()

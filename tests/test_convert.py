@@ -452,7 +452,7 @@ def test_export_of_a_char_run_writes_the_weights_and_says_why_not_the_tokenizer(
     run = make_run_dir(tmp_path / "run", cfg, char)
     status, out, err = run_export(capsys, "--run_dir", run, "--out", tmp_path / "hf")
     assert status == 0
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", export.MANIFEST, "model.safetensors"]
     assert "wrote the weights without tokenizer files: the run's char tokenizer has no GPT-2 form" in err
     assert architecture(convert.load_hf_gpt2(tmp_path / "hf")[0]) == architecture(cfg)
 
@@ -474,6 +474,46 @@ def test_export_to_a_file_is_a_one_line_error(tmp_path, capsys, bpe):
     assert status == 2 and err.strip().splitlines() == [f"export: error: --out {tmp_path / 'out.txt'} is a file: give "
                                                         "a directory to write the checkpoint into"]
     assert (tmp_path / "out.txt").read_text() == "keep me"
+
+
+def test_an_export_over_an_earlier_one_leaves_one_model_and_names_what_it_removed(tmp_path, capsys, bpe):
+    """A char run exported where a BPE run was: the BPE's vocab.json and merges.txt are removed
+    (a 23-token model beside a 64-token tokenizer would be no model at all), and the other way
+    round they are written; each time the folder is exactly one model."""
+    char = tokenizers.train_tokenizer("char", [TEXT])
+    char_cfg = tiny(vocab_size=char.vocab_size)
+    bpe_run = make_run_dir(tmp_path / "bpe_run", tiny(), bpe)
+    char_run = make_run_dir(tmp_path / "char_run", char_cfg, char)
+    out = tmp_path / "hf"
+    assert run_export(capsys, "--run_dir", bpe_run, "--out", out)[0] == 0
+    status, _, err = run_export(capsys, "--run_dir", char_run, "--out", out)
+    assert status == 0 and f"export: removed merges.txt, vocab.json of the earlier export in {out}" in err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", export.MANIFEST, "model.safetensors"]
+    assert convert.load_hf_gpt2(out)[0].vocab_size == char.vocab_size and convert.load_hf_tokenizer(out) is None
+    status, _, err = run_export(capsys, "--run_dir", bpe_run, "--out", out)
+    assert status == 0 and "removed" not in err
+    _, loaded_cfg, tokenizer = convert.load_hf_run(out)
+    assert tokenizer == bpe and loaded_cfg.vocab_size == VOCAB
+
+
+def test_an_export_refuses_files_no_export_wrote_and_writes_nothing(tmp_path, capsys, bpe):
+    run = make_run_dir(tmp_path / "run", tiny(), bpe)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}')
+    status, out, err = run_export(capsys, "--run_dir", run, "--out", mine)
+    assert status == 2 and out == "" and err == (
+        f"export: error: --out {mine} holds config.json, which no jaxgpt export wrote (or which changed since): move "
+        "them away, or choose a new or empty directory; an export replaces only an earlier export's files\n")
+    assert [p.name for p in mine.iterdir()] == ["config.json"]
+    assert (mine / "config.json").read_text() == '{"mine": true}'
+    exported = tmp_path / "hf"
+    assert run_export(capsys, "--run_dir", run, "--out", exported)[0] == 0
+    (exported / "merges.txt").write_text("#version: 0.2\n")  # changed by hand since the export
+    (exported / "notes.md").write_text("my notes")
+    status, _, err = run_export(capsys, "--run_dir", run, "--out", exported)
+    assert status == 2 and f"--out {exported} holds merges.txt, notes.md, which no jaxgpt export wrote" in err
+    assert (exported / "merges.txt").read_text() == "#version: 0.2\n"
 
 
 # --- parity with the reference implementation (the parity extra: torch + transformers) -------------

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from processes import finished, free_port, with_devices
 
 from jaxgpt import data, tokenizers
-from jaxgpt.data import DataError, cache
+from jaxgpt.data import DataError, cache, shards
 from jaxgpt.data.split import assign_splits
 from jaxgpt.tokenizers import Tokenizer
 
@@ -453,7 +453,8 @@ def test_meta_records_the_blake2b_checksum_of_each_token_file(tmp_path):
         (shard,) = corpus.meta["splits"][split]["shards"]
         content = (corpus.directory / f"{split}-00000.bin").read_bytes()
         assert shard == {"file": f"{split}-00000.bin", "tokens": len(content) // 2,
-                         "blake2b": hashlib.blake2b(content, digest_size=16).hexdigest()}
+                         "blake2b": hashlib.blake2b(content, digest_size=16).hexdigest(),
+                         "start": [shard["start"][0], 0]}  # a split's first shard starts at its first document
 
 
 def change_ids(path, fraction, vocab_size):
@@ -470,7 +471,7 @@ def change_ids(path, fraction, vocab_size):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Check token files 4 ids at a time, so that even tiny files take many chunks."""
-    monkeypatch.setattr(cache, "CHECK_CHUNK_BYTES", 8)
+    monkeypatch.setattr(shards, "CHECK_CHUNK_BYTES", 8)
 
 
 def test_ids_changed_to_other_valid_ids_are_found_and_prepare_rebuilds(tmp_path, encode_calls, small_chunks):
@@ -487,7 +488,7 @@ def test_ids_changed_to_other_valid_ids_are_found_and_prepare_rebuilds(tmp_path,
     assert str(refused.value) == (f"the token cache {first.directory} is damaged (train-00000.bin does not match "
                                   f"its checksum); delete {first.directory} to rebuild it")
     encode_calls.clear()
-    with pytest.warns(UserWarning, match=r"train-00000.bin does not match its checksum\): deleting it and building"):
+    with pytest.warns(UserWarning, match=r"train-00000.bin does not match its checksum\): rebuilding only the damaged"):
         rebuilt = data.prepare(config(tmp_path, source=str(root)))
     assert encode_calls and rebuilt.directory == first.directory
     assert documents(rebuilt.train, rebuilt.tokenizer) == DOCS_IN_ORDER  # the source's tokens again
@@ -675,6 +676,39 @@ def test_empty_corpus_is_an_error(tmp_path):
     write_files(tmp_path / "blank", {"a.txt": "", "b.jsonl": "\n\n"})
     with pytest.raises(DataError, match="is empty"):
         data.prepare(config(tmp_path, source=str(tmp_path / "blank")))
+
+
+def test_a_corpus_whose_every_file_was_skipped_says_which_and_why(tmp_path):
+    root = write_files(tmp_path / "skipped", {"data.bin": b"\x00\x01 binary", "scan.png": b"\x89PNG\r\n\x1a\n\x00\x00"})
+    (root / "link.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(DataError) as raised:
+        data.prepare(config(tmp_path, source=str(root), ocr={"mode": "never"}))
+    message = str(raised.value)
+    assert "every file was skipped" in message and "val_fraction" not in message and "\n" not in message
+    assert f"2 binary file(s): {root / 'data.bin'}, {root / 'scan.png'}" in message
+    assert "data.ocr.mode='auto'" in message  # why an image is a binary file here
+    assert f"{root / 'link.txt'} (a broken symbolic link to {tmp_path / 'gone.txt'})" in message
+
+
+def test_a_broken_symbolic_link_is_skipped_like_any_unreadable_file_or_refused(tmp_path):
+    root = write_files(tmp_path / "corpus", {"a.txt": "kept text"})
+    (root / "b.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.warns(UserWarning, match=r"skipped 1 unreadable file\(s\): .*b.txt \(a broken symbolic link to"):
+        corpus = data.prepare(config(tmp_path, source=str(root)))
+    assert documents(corpus.train, corpus.tokenizer) == ["kept text"]
+    with pytest.raises(DataError, match=r"cannot read .*b.txt: a broken symbolic link .*on_bad_file='warn'"):
+        data.prepare(config(tmp_path, source=str(root), files={"on_bad_file": "error"}))
+
+
+def test_a_vocab_size_beyond_what_the_text_can_teach_is_said_and_the_real_size_recorded(tmp_path):
+    root = write_files(tmp_path / "corpus", DOCS)
+    with pytest.warns(UserWarning, match=r"data.vocab_size=100,000 is more than the bpe tokenizer can learn") as said:
+        corpus = data.prepare(config(tmp_path, source=str(root), tokenizer="bpe", vocab_size=100_000))
+    text_bytes = sum(len(text.encode("utf-8")) for text in DOCS.values())
+    learned = corpus.tokenizer.vocab_size
+    assert learned < 256 + text_bytes + 3  # bytes, at most one merge per byte of text, 3 specials
+    assert f"{text_bytes:,} bytes of training text: it has {learned:,} ids" in str(said[0].message)
+    assert corpus.meta["tokenizer"]["vocab_size"] == learned
 
 
 @pytest.mark.parametrize("key, value, message", [

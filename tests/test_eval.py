@@ -250,7 +250,8 @@ def test_calibration_table_files_and_calibrated_sampling(cli, capsys, run):
     assert saved["temperature"] == pytest.approx(line["temperature"]) and saved["temperature"] > 0
     tokens = np.asarray(val_tokens(tokenizer)[1])
     predictions = calibration.collect_predictions(cfg, params, tokens, batch_size=BATCH)
-    assert saved["temperature"] == pytest.approx(calibration.fit_temperature(predictions), rel=1e-6)
+    fit = calibration.split(predictions)[0]  # the first half of the targets fits T, the rest judges it
+    assert saved["temperature"] == pytest.approx(calibration.fit_temperature(fit), rel=1e-6)
     assert (path / "calibration.png").stat().st_size > 1000
     sample = load_script("sample.py")
     assert sample.main(["--run_dir", str(path), "--prompt", "t", "--max_new_tokens", "5", "--calibrated"]) == 0
@@ -258,3 +259,40 @@ def test_calibration_table_files_and_calibrated_sampling(cli, capsys, run):
     (path / "calibration.json").unlink()
     assert sample.main(["--run_dir", str(path), "--prompt", "t", "--calibrated"]) == 2
     assert "run eval.py --run_dir" in capsys.readouterr().err
+
+
+def refuse_writes_in(monkeypatch, directory: Path) -> None:
+    """Make `directory` take no new files, as a read-only one would (root writes whatever the
+    permissions say, so the file system's answer is imitated)."""
+    import errno
+    import tempfile
+
+    from jaxgpt import files
+
+    original = tempfile.TemporaryFile
+
+    def temporary_file(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).resolve() == directory.resolve():
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return original(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(files.tempfile, "TemporaryFile", temporary_file)
+
+
+def test_calibration_of_a_read_only_run_says_where_to_write_instead(cli, capsys, run, tmp_path, monkeypatch):
+    path = run[0]
+    refuse_writes_in(monkeypatch, path)
+    status, out, err = evaluate(cli, capsys, "--run_dir", path, "--calibration")
+    assert status == 2 and not out  # refused before the evaluation (no progress bar), not after it
+    assert err.strip() == f"eval.py: error: cannot write in {path} (Permission denied): pass --out DIR to write " \
+                          "calibration.json and calibration.png elsewhere"
+    (tmp_path / "file").write_text("")
+    status, _, err = evaluate(cli, capsys, "--run_dir", path, "--calibration", "--out", tmp_path / "file")
+    assert status == 2 and f"cannot write in {tmp_path / 'file'} (a file, not a directory): pass --out DIR" in err
+    status, out, err = evaluate(cli, capsys, "--run_dir", path, "--calibration", "--out", tmp_path / "elsewhere")
+    assert status == 0, err
+    result = json.loads(out.splitlines()[-1])
+    saved = json.loads((tmp_path / "elsewhere" / "calibration.json").read_text())
+    assert saved["temperature"] == result["temperature"] and (tmp_path / "elsewhere" / "calibration.png").exists()
+    status, _, err = evaluate(cli, capsys, "--run_dir", path, "--out", tmp_path)
+    assert status == 2 and "--out is where --calibration writes its files" in err

@@ -20,15 +20,16 @@ PACKAGE = ROOT / "jaxgpt"
 # Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
 # know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
 LAYERS = (
-    ("errors", "files", "lazy", "ops"),
+    ("errors", "files", "lazy", "ops", "axes", "platforms"),  # axes: the mesh's names; platforms: JAX's
     ("attention", "positions"),  # the registries of forms, kernels and positional schemes
     ("model_config",),  # validates names against those registries
+    ("data_config",),  # the data section of the schema
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("optim", "data", "model"),
     ("training", "decoding", "convert", "quantize"),
     ("evaluation", "sampling", "beam", "rundir"),
-    ("text",),
+    ("text", "preflight"),  # preflight: what a run is checked against before its first step
     ("run", "completions"),
     ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
     ("analysis", "export", "sweep"),

@@ -11,6 +11,7 @@ import io
 import os
 import shutil
 import sys
+import warnings
 
 import pytest
 from conftest import corpus_documents
@@ -228,6 +229,23 @@ def test_a_corrupt_image_is_a_warning_naming_it_or_a_one_line_error(tmp_path):
     with pytest.raises(DataError, match=r"noise\.jpg.*data\.files\.on_bad_file='warn'") as raised:
         data.prepare(config(tmp_path, source=str(root), files={"on_bad_file": "error"}))
     assert "\n" not in str(raised.value)
+
+
+@needs_tesseract
+def test_an_image_above_pillows_decompression_bomb_limit_is_read_and_named_in_one_warning(tmp_path, monkeypatch):
+    root = tmp_path / "scans"
+    root.mkdir()
+    render(INVOICE).save(root / "big.png")
+    width, height = Image.open(root / "big.png").size
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", width * height * 3 // 4)  # above it, as a 12000² scan is
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning counts, however often it comes
+        corpus = data.prepare(config(tmp_path, source=str(root)))
+    bombs = [str(w.message) for w in caught if "decompression" in str(w.message).lower()]
+    assert len(bombs) == 1 and f"big.png ({width * height:,} pixels)" in bombs[0], bombs
+    (text,) = documents(corpus)
+    assert cer(text, INVOICE) <= 0.05  # read all the same
+    assert not [f for f in warnings.filters if f[2] is Image.DecompressionBombWarning]  # the filters as they were
 
 
 @needs_pdf

@@ -7,11 +7,13 @@ process."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxgpt import data, tokenizers
-from jaxgpt.data.shards import ShardedTokens
+from jaxgpt.data.shards import ShardedTokens, ShardWriter
 from jaxgpt.tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,6 +181,107 @@ def test_a_truncated_shard_of_a_stopped_build_is_detected_and_written_again(tmp_
     assert resumed.meta == uninterrupted.meta
 
 
+KILLED_AT_PHASE = """
+import json, os, signal, sys
+from jaxgpt import data
+from jaxgpt.data import cache, stream
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs, as after a power cut
+
+def then_die(function, after=1):
+    calls = []
+    def wrapped(*args, **kwargs):
+        function(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == after:
+            die()
+    return wrapped
+
+phase = sys.argv[2]
+if phase == "tokenizer written":
+    stream._tokenizer = then_die(stream._tokenizer)
+elif phase == "train shards written":
+    stream._Build._save = then_die(stream._Build._save, after=4)
+elif phase == "every document written":  # the last shards still open
+    stream._Build.finish = die
+elif phase == "shards finished":
+    stream._Build.finish = then_die(stream._Build.finish)
+elif phase == "meta written":
+    cache._write = then_die(cache._write)
+data.prepare(json.loads(sys.argv[1]))
+"""
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("phase", ["tokenizer written", "train shards written", "every document written",
+                                   "shards finished", "meta written"])
+def test_a_build_killed_at_each_phase_resumes_to_the_files_of_an_uninterrupted_one(tmp_path, corpus_dir, phase):
+    uninterrupted = data.prepare(config(tmp_path, corpus_dir, "straight", shard_tokens=5_000))
+    cfg = config(tmp_path, corpus_dir, "killed", shard_tokens=5_000)
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_PHASE, json.dumps(cfg), phase], capture_output=True,
+                            timeout=120)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    (partial,) = (tmp_path / "killed").iterdir()
+    if phase == "every document written":  # the validation split's last shard was open and gets no more tokens
+        last = json.loads((partial / "progress.json").read_text())["checkpoints"][-1]
+        assert last["writers"]["val"]["open_tokens"] > 0
+        assert last["counts"]["val"]["documents"] == uninterrupted.meta["splits"]["val"]["documents"]
+    resumed = data.prepare(cfg)
+    assert file_hashes(resumed.directory) == file_hashes(uninterrupted.directory)
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == [resumed.directory.name]
+
+
+def test_a_full_disk_names_where_and_that_a_rerun_resumes_and_the_rerun_does(tmp_path, corpus_dir, monkeypatch):
+    cfg = config(tmp_path, corpus_dir, "full", shard_tokens=5_000)
+    real_write, writes = ShardWriter.write, []
+
+    def write_until_full(self, tokens):
+        writes.append(1)
+        if len(writes) == 100:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, tokens)
+
+    monkeypatch.setattr(ShardWriter, "write", write_until_full)
+    with pytest.raises(data.DataError) as raised:
+        data.prepare(cfg)
+    (partial,) = (tmp_path / "full").iterdir()
+    message = str(raised.value)
+    assert f"no space left on the device that holds {partial}" in message and "\n" not in message
+    assert "run the same command again, and the preparation resumes where it stopped" in message
+    assert (partial / "progress.json").is_file()  # nothing lost
+    monkeypatch.setattr(ShardWriter, "write", real_write)
+    resumed = data.prepare(cfg)
+    uninterrupted = data.prepare(config(tmp_path, corpus_dir, "straight", shard_tokens=5_000))
+    assert file_hashes(resumed.directory) == file_hashes(uninterrupted.directory)
+
+
+def test_damaged_shards_of_a_cache_are_rebuilt_alone_and_the_others_kept(tmp_path, corpus_dir, encode_calls):
+    cfg = config(tmp_path, corpus_dir, shard_tokens=5_000, tokenizer="bpe", vocab_size=280, encode_batch_bytes=4_000)
+    first = data.prepare(cfg)
+    shards = {split: first.meta["splits"][split]["shards"] for split in ("train", "val")}
+    assert len(shards["train"]) >= 10 and len(shards["val"]) >= 2
+    intact = file_hashes(first.directory)
+    damaged = np.fromfile(first.directory / "train-00003.bin", np.uint16)
+    damaged[7] = (damaged[7] + 1) % first.tokenizer.vocab_size  # another valid id: only the checksum sees it
+    damaged.tofile(first.directory / "train-00003.bin")
+    (first.directory / "val-00001.bin").unlink()
+    kept = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in first.directory.glob("*.bin")
+            if path.name != "train-00003.bin"}
+    encode_calls.clear()
+    with pytest.warns(UserWarning, match=r"\(train-00003.bin does not match its checksum, val-00001.bin is missing or "
+                                         r"has the wrong size for \d+ tokens\): rebuilding only the damaged shard"):
+        mended = data.prepare(cfg)
+    assert mended.directory == first.directory and file_hashes(mended.directory) == intact
+    assert {name: (first.directory / name).stat().st_ino for name in kept} == {n: s[0] for n, s in kept.items()}
+    encoded = sum(len(text) for text in encode_calls)
+    assert 0 < encoded < 0.3 * sum(counts["bytes"] for counts in first.meta["splits"].values())  # not the corpus
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [first.directory.name]
+
+
 def test_a_second_process_waits_for_the_build_in_progress_and_never_reads_it(tmp_path, corpus_dir):
     name = data.prepare(config(tmp_path, corpus_dir, "elsewhere")).directory.name  # the fingerprint's name
     build = tmp_path / "cache" / f".{name}.partial"
@@ -203,6 +306,86 @@ def test_a_second_process_waits_for_the_build_in_progress_and_never_reads_it(tmp
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [name] == [directory.name]
     assert not (directory / ".lock").exists()
     assert shard_files(data.open_corpus(directory)) == shard_files(data.open_corpus(tmp_path / "elsewhere" / name))
+
+
+# --- encoding workers and their parent -----------------------------------------------------------
+
+STALLING_WORKERS = """
+import json, os, sys, time
+from pathlib import Path
+from jaxgpt import data
+from jaxgpt.tokenizers import CharTokenizer
+
+class Stalling(CharTokenizer):
+    \"\"\"A worker leaves its pid in a file, then stalls on its batch as on a very long document.\"\"\"
+    def encode(self, text, *args, **kwargs):
+        if os.environ.get("JAXGPT_ENCODING_WORKER"):
+            Path(sys.argv[2], f"worker-{os.getpid()}").touch()
+            time.sleep(300)
+        return super().encode(text, *args, **kwargs)
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    tokenizer = Stalling.train([p.read_text(encoding="utf-8") for p in sorted(Path(cfg["source"]).iterdir())])
+    data.prepare(cfg, tokenizer=tokenizer)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that nobody reaped has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stalled_preparation(tmp_path: Path, corpus_dir: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A preparation whose two encoding workers have started on their batches and stall there."""
+    script, marks = tmp_path / "stalling.py", tmp_path / "marks"
+    script.write_text(STALLING_WORKERS, encoding="utf-8")
+    marks.mkdir()
+    cfg = config(tmp_path, corpus_dir, workers=2, encode_batch_bytes=2_000)
+    process = subprocess.Popen([sys.executable, str(script), json.dumps(cfg), str(marks)], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(list(marks.iterdir())) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    return process, [int(mark.name.split("-")[1]) for mark in marks.iterdir()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signal_", [signal.SIGKILL, signal.SIGTERM])
+def test_encoding_workers_end_with_their_parent_however_it_is_killed(tmp_path, corpus_dir, signal_):
+    process, workers = stalled_preparation(tmp_path, corpus_dir)
+    try:
+        process.send_signal(signal_)  # the parent alone, not its process group
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(alive, workers)), "the workers outlived their parent"
+    finally:
+        for pid in [process.pid, *workers]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_one_ctrl_c_stops_a_preparation_at_once_with_its_workers(tmp_path, corpus_dir):
+    process, workers = stalled_preparation(tmp_path, corpus_dir)
+    try:
+        interrupted = time.monotonic()
+        process.send_signal(signal.SIGINT)  # as Ctrl-C does; the workers ignore it, their parent stops them
+        process.wait(timeout=30)
+        assert time.monotonic() - interrupted < 3, "the workers' batches were waited for"
+        assert b"KeyboardInterrupt" in process.stderr.read()
+        assert not any(map(alive, workers))
+        (partial,) = (tmp_path / "cache").iterdir()
+        assert (partial / "progress.json").is_file()  # kept, to resume from
+    finally:
+        for pid in [process.pid, *workers]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # --- memory ------------------------------------------------------------------------------------
@@ -275,6 +458,25 @@ def test_prepare_command_prepares_the_data_of_a_config_and_prints_where(tmp_path
                            capture_output=True, timeout=120, cwd=tmp_path)
     assert wrong.returncode == 2 and wrong.stderr.decode().strip() == "prepare: no key 'data.sourc'; did you mean " \
                                                                       "'data.source'?"
+
+
+def test_the_prepare_command_prints_a_warning_as_one_line_and_a_bad_cache_dir_is_named(tmp_path):
+    source = tmp_path / "latin.txt"
+    source.write_bytes("caf\xe9 au lait, na\xefve\n".encode("latin-1"))  # not UTF-8
+    command = [sys.executable, "-m", "jaxgpt.data", f"--config.data.source={source}", "--config.data.tokenizer=char"]
+    done = subprocess.run([*command, f"--config.data.cache_dir={tmp_path / 'cache'}"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stderr.replace("\r", "\n").splitlines()
+    assert [line for line in lines if "undecodable" in line] == [
+        f"warning: reading the corpus: replaced 2 undecodable byte sequence(s) with U+FFFD in 1 file(s), e.g. {source}"]
+    assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr
+    (tmp_path / "taken").write_text("a file where the cache's directory goes")
+    with pytest.raises(data.DataError) as refused:
+        data.prepare(config(tmp_path, source, cache="taken/cache"))
+    assert str(refused.value) == (f"cannot make the token cache's directory {tmp_path / 'taken' / 'cache'} (Not a "
+                                  f"directory: {tmp_path / 'taken' / 'cache'}); set data.cache_dir to a directory "
+                                  "this user can write")
 
 
 # --- caches of the single-file format -----------------------------------------------------------

@@ -3,6 +3,7 @@ the loss mask in the cache, packing and its batches, bad input, and whole record
 (resume, init_from a run directory)."""
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,19 @@ def test_unknown_setting_values_are_one_line_errors(key, value):
     section, _, name = key.rpartition(".")
     with pytest.raises(DataError, match=f"data.{key}={value!r}: must be"):
         DataConfig.from_mapping({section: {name: value}} if section else {key: value})
+
+
+def test_records_that_are_not_utf8_are_read_with_one_warning_naming_the_file_and_the_count(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    lines = ['{"prompt": "caf\xe9 ", "completion": "cr\xe8me br\xfbl\xe9e"}',
+             '{"prompt": "na\xefve ", "completion": "ok"}']
+    path.write_bytes("\n".join(lines).encode("latin-1"))  # 5 bytes that UTF-8 cannot decode, one per accent
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        read = list(records.read_records([path]))
+    assert [r.fields["completion"] for r in read] == ["cr\ufffdme br\ufffdl\ufffde", "ok"]
+    (warning,) = caught
+    assert f"{path} is not UTF-8: 5 undecodable byte sequence(s)" in str(warning.message)
 
 
 # --- the cache and packing ------------------------------------------------------------------------------
@@ -301,7 +315,7 @@ def test_init_from_a_run_directory_takes_its_model_tokenizer_and_params_with_a_f
     source_params, source_cfg, source_tokenizer = rundir.load_run(tmp_path / "source")
 
     config = records_run_config(tmp_path, "tuned", **{"model.n_layer": 3, "model.block_size": 24,
-                                                      "data.source": "generated:reverse:60"})
+                                                      "data.source": "generated:addition:60"})  # its characters
     config.init_from = str(tmp_path / "source")
     run = open_run(config)
     try:

@@ -396,9 +396,13 @@ def test_an_impossible_model_is_refused_before_anything_is_allocated(tmp_path, c
     from jaxgpt.errors import ConfigError
     from jaxgpt.run import train
 
-    with pytest.raises(ConfigError, match=r"the run needs about \d+\.\d GiB .* set train.memory_limit_gib"):
+    # 16e9 parameters × 16 B (each with its gradient and two moments) + 64 tokens × 3·1e9 float32 logits ≈ 1.024e12 B
+    with pytest.raises(ConfigError, match=r"the run needs about 954 GiB .* set train.memory_limit_gib"):
         train(tiny_config(tmp_path, corpus, **{"model.vocab_size": 1_000_000_000}))
-    with pytest.raises(ConfigError, match=r"more than the 0.0 GiB of train.memory_limit_gib"):
+    # sizes in the unit that shows them: 1e-6 GiB is 1,074 bytes; the tiny model needs 4,240 × 16 B of state and
+    # 64 tokens × (3·V + …) float32 values: some hundreds of KiB
+    with pytest.raises(ConfigError, match=r"needs about \d{3} KiB .*more than the 1\.0 KiB of "
+                                          r"train.memory_limit_gib=1e-06: make the model"):
         train(tiny_config(tmp_path, corpus, **{"train.memory_limit_gib": 1e-6}))
 
 
@@ -684,3 +688,48 @@ def test_hundreds_of_steps_between_logs_on_two_cpu_devices_do_not_stall(tmp_path
                                                      "train.ckpt_every": 1000, "mesh.cpu_devices": 2}), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert run_records(tmp_path / "run") == [400]
+
+
+# --- the end of a run, a finished run asked for fewer steps, a peer that never comes ----------------
+
+
+def test_an_end_sample_whose_prompt_the_data_cannot_encode_warns_and_the_run_exits_0(tmp_path):
+    """The records preset's prompt (letters) against a char tokenizer of digits: the run trains,
+    warns in one line, samples a new document instead, and succeeds."""
+    records = tmp_path / "sums.jsonl"
+    records.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n"
+                               for a in range(20) for b in range(10)))
+    tiny = {key: value for key, value in TINY_OVERRIDES.items() if key != "sample.max_new_tokens"}
+    out = run_train_py(["--config=configs/finetune_records.py", f"--config.data.source={records}",
+                        "--config.data.records.template=prompt_completion", *[f"--config.{k}={v}" for k, v in
+                                                                                tiny.items()],
+                        f"--config.data.cache_dir={tmp_path / 'cache'}", f"--config.run_dir={tmp_path / 'run'}"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "sample.prompt cannot be encoded" in warnings[0] and "'C'" in warnings[0]
+    assert "Traceback" not in out.stderr
+    assert (tmp_path / "run" / "sample.txt").read_text() in out.stdout
+
+
+def test_a_finished_run_asked_for_fewer_steps_says_so_and_keeps_its_config(tmp_path, corpus, capsys):
+    from jaxgpt.run import train
+
+    train(tiny_config(tmp_path, corpus))  # 6 steps
+    saved = (tmp_path / "run" / "config.json").read_bytes()
+    capsys.readouterr()
+    result = train(tiny_config(tmp_path, corpus, **{"train.steps": 3}))
+    assert result["step"] == 6
+    assert "at step 6, past train.steps=3: nothing to train" in capsys.readouterr().err
+    assert (tmp_path / "run" / "config.json").read_bytes() == saved
+    assert json.loads(saved)["train"]["steps"] == 6
+
+
+def test_a_process_whose_peer_never_starts_says_what_it_waits_for_and_gives_up_in_one_line(tmp_path, corpus):
+    out = run_train_py([*cli_args(tmp_path, corpus, **{"mesh.cpu_devices": 1}),
+                        f"--config.distributed.coordinator_address=127.0.0.1:{free_port()}",
+                        "--config.distributed.num_processes=2", "--config.distributed.process_id=0",
+                        "--config.distributed.timeout_s=2"], timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("jaxgpt: waiting for all 2 processes") and "distributed.timeout_s=2" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("jaxgpt: not every process joined within distributed.timeout_s=2")

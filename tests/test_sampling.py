@@ -593,3 +593,28 @@ def test_sample_py_missing_run_dir_or_checkpoint(cli, capsys, tmp_path):
     empty = make_run_dir(tmp_path / "untrained", with_checkpoint=False)
     status, _, err = sample(cli, capsys, empty, "--prompt", "x")
     assert status == 2 and err.count("\n") == 1 and "no checkpoint in" in err and "train first" in err
+
+
+def test_sample_py_step_that_is_not_there_names_the_steps_that_are(cli, capsys, tmp_path):
+    run_dir = make_run_dir(tmp_path / "run")  # a checkpoint at step 3
+    checkpoints = Checkpoints(run_dir)
+    checkpoints.save(20, {"step": jnp.int32(20), "params": random_params(tiny()), "opt_state": ()})
+    checkpoints.close()
+    status, out, err = sample(cli, capsys, run_dir, "--prompt", "First", "--step", 999)
+    assert status == 2 and out == ""
+    assert err == f"sample.py: error: no checkpoint at step 999 in {run_dir / 'checkpoints'}: the steps there are 3, " \
+                  "20\n"
+
+
+def test_sample_py_with_a_config_of_another_model_refuses_in_one_line(cli, capsys, tmp_path):
+    """A config.json edited to another model: its shapes against the checkpoint's, in one line."""
+    run_dir = make_run_dir(tmp_path / "run")
+    saved = json.loads((run_dir / "config.json").read_text())
+    saved["model"]["d_model"] = 32
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    status, out, err = sample(cli, capsys, run_dir, "--prompt", "First")
+    assert status == 2 and out == "" and err.count("\n") == 1
+    # the config's head_dim (8) and n_head (2) stay: the attention's input kernel is d_model × 3 × 2 × 8
+    assert "holds another model than the one asked for (params/h_0/attn/c_attn/kernel saved (16, 3, 2, 8) against " \
+           "asked (32, 3, 2, 8); " in err
+

@@ -1,8 +1,12 @@
-"""A sweep: the cells of a grid are ordinary runs, the summary has a row per cell, a rerun skips
-the finished cells, and a combination the config refuses is reported and left out."""
+"""A sweep: the cells of a grid are ordinary runs, every cell is checked before the first trains,
+the summary has a row per cell trained as asked (and names the others), a rerun skips the cells
+finished with the same config and refuses those finished with another, and bad grids are refused
+in one line with nothing trained."""
 
 import csv
+import shutil
 
+import pytest
 from test_run import ROOT, write_corpus
 
 from jaxgpt.sweep import main
@@ -12,29 +16,102 @@ TINY = ["--config.model.n_layer=1", "--config.model.n_head=2", "--config.model.d
         "--config.train.ckpt_every=2", "--config.train.warmup_steps=1", "--config.train.batch_size=4",
         "--config.train.eval_batch_size=4", "--config.train.eval_max_batches=1", "--config.train.log_every=1",
         "--config.train.peak_flops=1e9", "--config.mesh.cpu_devices=0"]
+NORMS = ["--grid", "model.norm_position=pre,post", "--grid", "model.parallel_block=False,True"]
+TRAINED = ["norm_position=pre,parallel_block=False,seed=0", "norm_position=pre,parallel_block=True,seed=0",
+           "norm_position=post,parallel_block=False,seed=0"]
 
 
-def test_a_sweep_writes_its_summary_and_resumes_without_redoing_cells(tmp_path, capsys):
-    corpus = write_corpus(tmp_path / "corpus.txt")
-    args = [f"--config={ROOT / 'configs' / 'experiment.py'}", *TINY,
-            f"--config.data.source={corpus}", f"--config.data.cache_dir={tmp_path / 'cache'}",
-            "--grid", "model.norm_position=pre,post", "--grid", "model.parallel_block=False,True",
-            "--out", str(tmp_path / "sweep")]
-    assert main(args) == 0
-    err = capsys.readouterr().err
-    assert "norm_position=post,parallel_block=True,seed=0: invalid: GPTConfig.parallel_block=True" in err
-    with open(tmp_path / "sweep" / "summary.csv") as file:
-        rows = list(csv.DictReader(file))
-    assert [r["cell"] for r in rows] == ["norm_position=pre,parallel_block=False,seed=0",
-                                        "norm_position=pre,parallel_block=True,seed=0",
-                                        "norm_position=post,parallel_block=False,seed=0"]
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The config arguments of a tiny sweep on a small corpus (no --grid, no --out)."""
+    where = tmp_path_factory.mktemp("sweep")
+    corpus = write_corpus(where / "corpus.txt")
+    return [f"--config={ROOT / 'configs' / 'experiment.py'}", *TINY, f"--config.data.source={corpus}",
+            f"--config.data.cache_dir={where / 'cache'}"]
+
+
+@pytest.fixture(scope="module")
+def finished(base, tmp_path_factory):
+    """A finished sweep of the norm grid (one combination of which the config refuses)."""
+    out = tmp_path_factory.mktemp("finished") / "sweep"
+    assert main([*base, *NORMS, "--out", str(out)]) == 0
+    return out
+
+
+def summary_rows(out):
+    with open(out / "summary.csv") as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_sweep_writes_its_summary_and_resumes_without_redoing_cells(base, finished, capsys):
+    rows = summary_rows(finished)
+    assert [r["cell"] for r in rows] == TRAINED
     assert all(float(r["final_val_loss"]) > 0 and r["steps"] == "2" for r in rows)
-    summary = (tmp_path / "sweep" / "summary.md").read_text()
-    assert summary.count("\n") == 5 and "| norm_position=post,parallel_block=False |" in summary
-    assert (tmp_path / "sweep" / "val_loss.png").stat().st_size > 1000
-    metrics = {r["cell"]: (tmp_path / "sweep" / r["cell"] / "metrics.jsonl").read_text() for r in rows}
+    summary = (finished / "summary.md").read_text().splitlines()
+    assert len(summary) == 2 + 3 + 3 and "| norm_position=post,parallel_block=False | 1 |" in summary[4]
+    assert summary[-2:] == ["Not in this table:", "- norm_position=post,parallel_block=True,seed=0: refused by "
+                            "the config: " + summary[-1].split("refused by the config: ")[1]]
+    assert "GPTConfig.parallel_block=True" in summary[-1]
+    assert (finished / "val_loss.png").stat().st_size > 1000
+    metrics = {c: (finished / c / "metrics.jsonl").read_text() for c in TRAINED}
 
-    assert main(args) == 0  # again: nothing is trained twice
+    capsys.readouterr()
+    assert main([*base, *NORMS, "--out", str(finished)]) == 0  # again: nothing is trained twice
     err = capsys.readouterr().err
     assert err.count("skipped (finished)") == 3
-    assert metrics == {c: (tmp_path / "sweep" / c / "metrics.jsonl").read_text() for c in metrics}
+    assert "[left out] norm_position=post,parallel_block=True,seed=0: refused by the config" in err
+    assert metrics == {c: (finished / c / "metrics.jsonl").read_text() for c in metrics}
+
+
+def test_a_rerun_with_other_settings_refuses_the_cells_instead_of_reporting_their_old_results(
+        base, finished, tmp_path, capsys):
+    out = tmp_path / "moved"  # a copy: the sweep's directory may be moved
+    shutil.copytree(finished, out)
+    metrics = {c: (out / c / "metrics.jsonl").read_text() for c in TRAINED}
+    capsys.readouterr()
+    assert main([*base, *NORMS, "--out", str(out), "--config.model.d_model=32"]) == 1
+    err = capsys.readouterr().err
+    *cells, last = err.strip().splitlines()
+    assert sum("finished with other settings (model.d_model: 16 → 32, trained → asked)" in c for c in cells) == 3
+    assert last.startswith("jaxgpt.sweep: error: 3 of 4 cells failed")
+    assert summary_rows(out) == []  # the old cells' results are not this sweep's
+    summary = (out / "summary.md").read_text()
+    assert all(f"- {cell}: failed: " in summary for cell in TRAINED) and not (out / "val_loss.png").exists()
+    assert metrics == {c: (out / c / "metrics.jsonl").read_text() for c in metrics}
+
+
+def test_a_grid_value_init_from_would_replace_is_refused_before_any_cell_trains(base, finished, tmp_path, capsys):
+    source = finished / TRAINED[0]  # a run without biases
+    out = tmp_path / "tuned"
+    assert main([*base, f"--config.init_from={source}", "--grid", "model.bias=False,True", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxgpt.sweep: error: --grid model.bias=True is refused in every "
+                                                   f"cell (init_from={source} fixes what you set: model.bias=True")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "model.positions=learned,rop"], "--grid model.positions=rop is refused in every cell "
+                                                "(GPTConfig.positions"),
+    (["--grid", "model.positions=rop,rpe"], "every cell of the sweep is refused, so nothing was trained; "
+                                            "positions=rop,seed=0: GPTConfig.positions"),
+    (["--grid", "model.positions=rope,rope"], "--grid model.positions=rope,rope: 'rope' is listed twice, which would "
+                                              "train one run and count it twice: list each value once"),
+    (["--grid", "model.positions=rope", "--grid", "model.positions=alibi"],
+     "--grid model.positions is given twice: put all its values in one --grid model.positions=V1,V2,…"),
+    (["--grid", "model.bias=False,false"], "cells bias=False,seed=0 and bias=false,seed=0 are the same run"),
+    (["--grid", "model.bias=False,True", "--config.model.bias=True"],
+     "model.bias is both swept (--grid) and set (--config.model.bias=…): keep one of them"),
+    (["--grid", "model.bias=False,True", "--seeds", "0,0"], "--seeds 0,0: 0 is listed twice"),
+    (["--grid", "train.seed=1,2"], "--grid train.seed: the sweep sets train.seed itself; use --seeds"),
+    (["--grid", "model.bias=False,True", "--out", "{file}"],
+     "cannot write in {file} (a file, not a directory): choose another --out"),
+])
+def test_a_bad_grid_is_refused_in_one_line_with_nothing_trained(base, tmp_path, capsys, args, message):
+    (tmp_path / "file").write_text("mine")
+    args = [arg.format(file=tmp_path / "file") for arg in args]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "sweep")]
+    assert main([*base, *args, *out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"jaxgpt.sweep: error: {message.format(file=tmp_path / 'file')}")
+    assert not (tmp_path / "sweep").exists() and (tmp_path / "file").read_text() == "mine"

@@ -197,6 +197,21 @@ def test_cli_bad_input_is_a_one_line_error(capsys, run_dir, tmp_path, args, mess
     assert message in err
 
 
+def test_a_picture_that_cannot_be_written_says_where_to_draw_it_instead(capsys, run_dir, tmp_path, monkeypatch):
+    from test_eval import refuse_writes_in
+
+    refuse_writes_in(monkeypatch, run_dir)  # a read-only run directory
+    status, out, err = viz_cli(capsys, "loss", run_dir)
+    assert (status, out) == (2, "")
+    assert err == f"jaxgpt.viz: error: cannot write in {run_dir} (Permission denied): pass --out FILE to draw it " \
+                  "elsewhere\n"
+    status, out, err = viz_cli(capsys, "loss", run_dir, "--out", tmp_path)
+    assert status == 2 and f"--out {tmp_path} is a directory: name the PNG file" in err
+    status, out, err = viz_cli(capsys, "loss", run_dir, "--out", tmp_path / "loss.png")
+    assert status == 0 and out.strip() == str(tmp_path / "loss.png")
+    assert_picture(tmp_path / "loss.png")
+
+
 def test_sample_py_draws_the_attention_picture_of_its_prompt(capsys, run_dir, tmp_path):
     from scripts import load_script
 

@@ -20,7 +20,7 @@ from jaxgpt import viz
 from jaxgpt.analysis import circuits
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.errors import tidy_cli_output
-from jaxgpt.files import write_json
+from jaxgpt.files import unwritable, writable_directory, write_json
 from jaxgpt.run import load_run
 
 
@@ -58,6 +58,9 @@ def circuits_report(params, cfg, tokenizer, top_k: int) -> dict:
     return report, spectra, scores
 
 
+INSTEAD = "pass --out DIR to write circuits.json and its pictures elsewhere"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     tidy_cli_output()
@@ -65,25 +68,35 @@ def main(argv=None) -> int:
         if args.top_k < 1:
             raise ValueError(f"--top_k must be a positive integer, got {args.top_k}")
         params, cfg, tokenizer = load_run(args.run_dir)
+        out = writable_directory(args.out or args.run_dir, INSTEAD)  # found before the analysis, not after it
         report, spectra, scores = circuits_report(params, cfg, tokenizer, args.top_k)
+        write_report(out, Path(args.run_dir).name, report, spectra, scores, cfg.n_head)
     except (ValueError, CheckpointError) as err:
         print(f"jaxgpt.analysis: error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or args.run_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "circuits.json", report)
-    name = Path(args.run_dir).name
-    viz.plot_composition(scores, cfg.n_head, out / "circuits_composition.png", title=name)
-    viz.plot_spectra(spectra, out / "circuits_spectra.png", title=name)
-    print(f"{'layer':>5} {'head':>4} {'rank QK':>7} {'rank OV':>7} {f'OV top-{args.top_k}':>9}")
+    print_report(report, args.top_k)
+    print(f"wrote {out / 'circuits.json'}, circuits_composition.png, circuits_spectra.png")
+    return 0
+
+
+def write_report(out: Path, name: str, report: dict, spectra: dict, scores: dict, n_head: int) -> None:
+    """circuits.json and its two pictures in `out`; a ValueError in one line when they cannot be written."""
+    try:
+        write_json(out / "circuits.json", report)
+        viz.plot_composition(scores, n_head, out / "circuits_composition.png", title=name)
+        viz.plot_spectra(spectra, out / "circuits_spectra.png", title=name)
+    except OSError as error:
+        raise unwritable(out, error, INSTEAD) from None
+
+
+def print_report(report: dict, top_k: int) -> None:
+    print(f"{'layer':>5} {'head':>4} {'rank QK':>7} {'rank OV':>7} {f'OV top-{top_k}':>9}")
     for head in report["heads"]:
         print(f"{head['layer']:5d} {head['head']:4d} {head['qk_rank']:7d} {head['ov_rank']:7d} "
-              f"{head[f'ov_top{args.top_k}_energy']:9.1%}")
+              f"{head[f'ov_top{top_k}_energy']:9.1%}")
     for kind, best in report["strongest_composition"].items():
         print(f"strongest {kind.upper()}-composition: layer {best['from'][0]} head {best['from'][1]} → layer "
               f"{best['to'][0]} head {best['to'][1]}: {best['score']:.3f}")
-    print(f"wrote {out / 'circuits.json'}, circuits_composition.png, circuits_spectra.png")
-    return 0
 
 
 if __name__ == "__main__":

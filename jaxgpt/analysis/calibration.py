@@ -12,6 +12,11 @@ With β = 1/T, NLL(β) = mean(logsumexp(βz) − β z_y) is convex in β: NLL′
 and NLL″(β) = mean(Var_p[z]) ≥ 0, p = softmax(βz). Newton's method on β, kept inside a
 bracket where the derivative changes sign (bisection when a Newton step leaves it).
 Everything here is float64 NumPy on the host, over logits gathered once.
+
+T is fitted on one part of the targets and judged on the other (`calibration_report`): the first
+half, in the text's order, fits T; ECE, NLL and Brier before and after are measured on the second
+half, which the fit never saw. Measured on the targets it was fitted to, T would look better than
+it is.
 """
 
 from __future__ import annotations
@@ -138,14 +143,26 @@ def fit_temperature(predictions: Predictions, tolerance: float = 1e-8, max_steps
     return 1.0 / beta
 
 
+def split(predictions: Predictions) -> tuple[Predictions, Predictions]:
+    """(the first half of the targets, the rest), in order: the part that fits T, the part that judges it."""
+    half = len(predictions.targets) // 2
+    return (Predictions(predictions.logits[:half], predictions.targets[:half]),
+            Predictions(predictions.logits[half:], predictions.targets[half:]))
+
+
 def calibration_report(predictions: Predictions, bins: int = 15) -> dict:
-    """NLL, perplexity, ECE (equal-width and equal-mass), Brier and accuracy before and after
-    temperature scaling, with the fitted T."""
-    temperature = fit_temperature(predictions)
-    report = {"temperature": temperature, "targets": int(len(predictions.targets)), "bins": bins}
+    """T fitted on the first half of the targets; NLL, perplexity, ECE (equal-width and
+    equal-mass), Brier and accuracy before and after temperature scaling on the second half."""
+    if len(predictions.targets) < 2:
+        raise ValueError(f"calibration needs at least 2 targets (one to fit the temperature, one to judge it), "
+                         f"got {len(predictions.targets)}: evaluate more text")
+    fit, held_out = split(predictions)
+    temperature = fit_temperature(fit)
+    report = {"temperature": temperature, "targets": int(len(predictions.targets)), "bins": bins,
+              "fit_targets": int(len(fit.targets)), "measured_targets": int(len(held_out.targets))}
     for name, t in (("before", 1.0), ("after", temperature)):
-        confidence, correct = top1(predictions, t)
-        loss = nll(predictions, t)
+        confidence, correct = top1(held_out, t)
+        loss = nll(held_out, t)
         report[name] = {"nll": loss, "ppl": math.exp(min(loss, 50.0)), "accuracy": float(correct.mean()),
                         "ece_width": ece(confidence, correct, bins, "width"),
                         "ece_mass": ece(confidence, correct, bins, "mass"), "brier": brier(confidence, correct),
@@ -155,7 +172,8 @@ def calibration_report(predictions: Predictions, bins: int = 15) -> dict:
 
 def format_report(report: dict) -> str:
     """The report as a small table, one row before and one after temperature scaling."""
-    lines = [f"calibration over {report['targets']:,} targets ({report['bins']} bins)",
+    lines = [f"calibration over {report['targets']:,} targets ({report['bins']} bins): T fitted on the first "
+             f"{report['fit_targets']:,}, measured on the other {report['measured_targets']:,}",
              f"{'':18} {'NLL':>8} {'PPL':>9} {'accuracy':>9} {'ECE width':>10} {'ECE mass':>9} {'Brier':>7}"]
     for name, t in (("before", 1.0), ("after", report["temperature"])):
         r = report[name]

@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxgpt import ops
+from jaxgpt import axes, ops
 from jaxgpt.attention.base import Where
 
 BLOCK = 64  # query positions per block of the blocked kernel
@@ -52,4 +53,56 @@ def _library(implementation: str):
 xla = _library("xla")
 cudnn = _library("cudnn")  # a CUDA GPU only (the run says so on another backend)
 
-KERNELS = {"explicit": explicit, "blocked": blocked, "xla": xla, "cudnn": cudnn}
+
+def flash(q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
+    """Flash attention on a TPU (Pallas's kernel, jax.experimental.pallas.ops.tpu): blocks of
+    queries against blocks of keys with a running softmax, so the (T, S) weights never reach
+    HBM, and the blocks above the causal diagonal are skipped. When the keys are the
+    queries' own tokens (training, evaluation, a prompt); otherwise (a cache, a window) xla.
+
+    Its mask is causal by index within each segment: the same mask as Where's, since a row's
+    positions count up by one within each example (jaxgpt.data.packing). A TPU only (the run
+    says so on another backend); no attention dropout. Under a mesh (jax.set_mesh) each
+    device runs it on its rows and heads (jax.shard_map): XLA cannot split a kernel call."""
+    if not where.keys_are_queries() or where.window is not None:
+        return xla(q, k, v, where, bias_of, on_weights)
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas
+
+    B, T, H, D = q.shape
+    k, v = ops.share_kv_heads(k, H), ops.share_kv_heads(v, H)
+    bias = bias_of(where)
+    bias = None if bias is None else jnp.broadcast_to(bias, (B, H, T, T)).astype(jnp.float32)
+    segments = where.q_segments
+
+    def attend(q, k, v, bias, segments):  # q, k, v (B, H, T, D) on one device
+        ids = None if segments is None else pallas.SegmentIds(segments, segments)
+        # the kernel adds the bias before it scales the scores: the queries come scaled instead
+        return pallas.flash_attention(q * D ** -0.5, k, v, bias, ids, causal=True, sm_scale=1.0)
+
+    heads = lambda x: x.swapaxes(1, 2)  # noqa: E731 - (B, T, H, D) ↔ (B, H, T, D)
+    mesh = axes.current_mesh()
+    if mesh is not None:
+        rows = axes.BATCH_AXES if B % axes.batch_ways(mesh) == 0 else None
+        split = "tensor" if H % mesh.shape["tensor"] == 0 else None
+        four, two = P(rows, split, None, None), P(rows, None)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(four, four, four, None if bias is None else four,
+                                                            None if segments is None else two),
+                               out_specs=four, check_vma=False)
+    return heads(attend(heads(q), heads(k), heads(v), bias, segments))
+
+
+KERNELS = {"explicit": explicit, "blocked": blocked, "xla": xla, "cudnn": cudnn, "flash": flash}
+AUTO = "auto"  # a compute setting too: the kernel of the platform the program is compiled for (for_platform)
+
+
+def for_platform(platform: str, dtype) -> str:
+    """The kernel 'auto' stands for on a platform (jax.Device.platform): flash on a TPU;
+    cuDNN's on a GPU computing in 16 bits (which cuDNN's attention needs), else XLA's; on a
+    CPU explicit (the fastest there)."""
+    if platform == "tpu":
+        return "flash"
+    if platform == "gpu":
+        return "cudnn" if jnp.dtype(dtype).itemsize == 2 else "xla"
+    return "explicit"
+# the backend each kernel needs (jax.default_backend()'s name); the others run anywhere
+NEEDS = {"cudnn": ("gpu", "a CUDA GPU"), "flash": ("tpu", "a TPU")}

@@ -3,20 +3,22 @@
 
 Reads, splits, tokenizes and caches config.data exactly as train.py would (a later run with
 the same data settings reuses the cache), with a progress bar in bytes and documents; a
-preparation that was stopped resumes where it stopped. Prints the cache directory and each
-split's tokens.
+preparation that was stopped (Ctrl-C, a kill, a full disk) resumes where it stopped. Prints the
+cache directory and each split's tokens; warnings print as one line each, as train.py's do.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import warnings
 from pathlib import Path
 
 from tqdm import tqdm
 
 from jaxgpt.cli import parse_config
 from jaxgpt.data import cache
-from jaxgpt.errors import ConfigError, one_line
+from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
 
@@ -39,6 +41,9 @@ class Bar:
 
 
 def main(argv: list[str]) -> int:
+    tidy_cli_output()
+    warnings.showwarning = _show_warning
+    signal.signal(signal.SIGTERM, _stop)  # a kill stops it as Ctrl-C does: its workers ended, resumable
     try:
         config = parse_config(argv, DEFAULT_CONFIG)
         bar = Bar()
@@ -58,6 +63,15 @@ def main(argv: list[str]) -> int:
         print(f"{split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, "
               f"{counts['bytes']:,} bytes, {shards} file(s)")
     return 0
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning on a line of its own, above the progress bar."""
+    tqdm.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"), file=sys.stderr)
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -18,20 +18,23 @@ A build happens in the hidden directory `.<name>-<fingerprint>.partial`, renamed
 when complete, so nothing half-written is ever read as a cache. The builder holds an
 exclusive lock on the file `.lock` in it (jaxgpt.lock: the kernel's flock, released however
 the process ends): a second process preparing the same corpus waits for the first and then
-uses its cache; a build stopped in any way (Ctrl-C, kill -9) is resumed by the next one from
-its last finished shard (jaxgpt.data.stream).
+uses its cache; a build stopped in any way (Ctrl-C, kill -9, a full disk) is resumed by the
+next one from its last finished shard (jaxgpt.data.stream), or published as it is when it had
+written its meta.json, the last file of a build.
 
 Integrity: meta.json records each file's BLAKE2b-128 checksum (`b2sum -l 128 FILE` prints
 the same), and every id is checked to lie within the tokenizer's vocabulary when the cache
 is written and each time it is opened (one read of each file, about a second per GB). A
 cache that fails either check, or that a version of jaxgpt that this one cannot read wrote,
-is damaged: `open_corpus` refuses it, and `prepare` warns, deletes it and builds it anew.
+is damaged: `open_corpus` refuses it, and `prepare` rebuilds the damaged shards of a text
+cache alone (jaxgpt.data.repair), or else warns, deletes it and builds it anew.
 `open_corpus` still reads the single-file caches of version 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -53,11 +56,13 @@ from jaxgpt.config import DataConfig
 from jaxgpt.data import records
 from jaxgpt.data.encode import UNGUARDED, WORKER_ENV
 from jaxgpt.data.examples import Examples, open_examples, write_examples
-from jaxgpt.data.shards import ShardedTokens, concatenated
+from jaxgpt.data.repair import rebuild_damaged
+from jaxgpt.data.shards import ShardedTokens, check_tokens, concatenated
 from jaxgpt.data.sources import Source, record_files, resolve
 from jaxgpt.data.split import split_documents
-from jaxgpt.data.stream import Progress, ids_dtype, write_text
+from jaxgpt.data.stream import PROGRESS_FILE, Progress, ids_dtype, trained_tokenizer, write_text
 from jaxgpt.errors import DataError
+from jaxgpt.files import write_atomically
 from jaxgpt.lock import LOCK_FILE, FileLock, describe
 from jaxgpt.tokenizers import Tokenizer
 
@@ -67,8 +72,6 @@ CACHE_FORMAT = "jaxgpt-tokens"
 CACHE_VERSION = 3  # 2: meta.json records each split's checksum; 3: text splits in shards, streamed
 READABLE_VERSIONS = (2, 3)
 SPLITS = ("train", "val")
-CHECKSUM_BYTES = 16  # BLAKE2b-128: accidental damage goes unnoticed with probability 2⁻¹²⁸
-CHECK_CHUNK_BYTES = 1 << 20  # a token file is checked 1 MiB at a time, which stays in cache
 
 
 class DamagedCacheError(DataError):
@@ -129,7 +132,8 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None,
     else by the tokenizer data.tokenizer names: a kind to train on the train split's sample,
     or a saved tokenizer's file. `on_progress(documents, bytes)` is called as a text corpus's
     documents are written. A cache that fails `open_corpus`'s checks (damaged, or another
-    version's) is deleted and built anew, with a warning."""
+    version's) has its damaged shards rebuilt, or else is deleted and built anew, with a
+    warning either way."""
     if os.environ.get(WORKER_ENV):  # an encoding worker importing an unguarded script: its parent says why
         raise DataError(UNGUARDED)
     settings = DataConfig.from_mapping(data_cfg)
@@ -147,13 +151,39 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None,
     try:
         corpus = open_corpus(directory, tokenizer=tokenizer)
     except DamagedCacheError as err:
-        warnings.warn(f"the token cache {directory} {err.problem}: deleting it and building it anew", stacklevel=2)
-        _discard(directory)
-        _build(*build)
-        corpus = open_corpus(directory, tokenizer=tokenizer)
+        corpus = _repaired(directory, settings, source, val_source, tokenizer)
+        if corpus is None:
+            warnings.warn(f"the token cache {directory} {err.problem}: deleting it and building it anew",
+                          stacklevel=2)
+            _discard(directory)
+            _build(*build)
+            corpus = open_corpus(directory, tokenizer=tokenizer)
     if corpus.meta["fingerprint"] != fingerprint:
         raise DataError(f"the token cache {directory} belongs to other data; delete it")
     return corpus
+
+
+def _repaired(directory: Path, settings: DataConfig, source: Source, val_source: Source | None,
+              tokenizer: Tokenizer | None) -> Corpus | None:
+    """The cache with its damaged shards rebuilt (jaxgpt.data.repair), holding its build lock;
+    None when it cannot be mended so."""
+    if settings.format != "text":
+        return None
+    partial = _build_directory(directory)
+    with FileLock(partial / LOCK_FILE, on_wait=lambda holder: _waiting(partial, holder)):
+        try:
+            try:
+                return open_corpus(directory, tokenizer=tokenizer)  # mended while this process waited
+            except DataError:
+                pass
+            if not rebuild_damaged(directory, settings, source, val_source):
+                return None
+            try:
+                return open_corpus(directory, tokenizer=tokenizer)
+            except DamagedCacheError:
+                return None
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def _fingerprint(settings: DataConfig, source: Source, val_source: Source | None, tokenizer: Tokenizer | None) -> str:
@@ -249,7 +279,7 @@ def _open_split(directory: Path, split: str, counts: dict[str, Any], dtype: np.d
         if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
             raise DamagedCacheError(directory, f"is damaged ({path.name} is missing or has the wrong size for "
                                                f"{count} tokens)")
-        problem = _check_tokens(path, count, dtype, file["blake2b"], vocab_size)
+        problem = check_tokens(path, count, dtype, file["blake2b"], vocab_size)
         if problem:
             raise DamagedCacheError(directory, f"is damaged ({path.name} {problem})")
         parts.append(np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.empty(0, dtype))
@@ -258,69 +288,86 @@ def _open_split(directory: Path, split: str, counts: dict[str, Any], dtype: np.d
     return concatenated(parts, dtype)
 
 
-def _check_tokens(path: Path, count: int, dtype: np.dtype, checksum: str | None, vocab_size: int) -> str | None:
-    """What is wrong with a token file, or None: an id outside the vocabulary (the first one),
-    or a checksum other than the one recorded. One pass, a chunk at a time, read rather than
-    mapped (so the check leaves nothing of the file in this process's memory)."""
-    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-    step = max(1, CHECK_CHUNK_BYTES // dtype.itemsize)
-    with open(path, "rb") as file:
-        for start in range(0, count, step):
-            chunk = np.fromfile(file, dtype, count=min(step, count - start))
-            digest.update(chunk)
-            if chunk.max() >= vocab_size:
-                position = int(np.argmax(chunk >= vocab_size))
-                return (f"holds id {chunk[position]} at position {start + position}, outside the tokenizer's "
-                        f"{vocab_size} ids")
-    if checksum is None:
-        return "has no checksum in meta.json"
-    if digest.hexdigest() != checksum:
-        return "does not match its checksum"
-    return None
-
-
 def _build(directory: Path, fingerprint: str, source: Source, val_source: Source | None,
            settings: DataConfig, tokenizer: Tokenizer | None, on_progress: Progress | None) -> None:
     """Write the cache for `fingerprint` in its build directory, holding its lock, then rename
     it into place: a reader sees either nothing or a complete cache. A stopped build of the
-    same fingerprint is resumed (text) or started again (records)."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    partial = directory.parent / f".{directory.name}.partial"
+    same fingerprint is resumed (text) or started again (records); one stopped after it wrote
+    its meta.json is published as it is."""
+    partial = _build_directory(directory)
     with FileLock(partial / LOCK_FILE, on_wait=lambda holder: _waiting(partial, holder)):
         if (directory / "meta.json").is_file():  # another process built it while this one waited
             shutil.rmtree(partial, ignore_errors=True)
             return
-        try:
-            if settings.format == "records":
-                tokenizer, dtype, splits, extra = _write_records(_emptied(partial), source, val_source, settings,
-                                                                 tokenizer)
-            else:
-                tokenizer, dtype, splits, extra = write_text(partial, source, val_source, settings, tokenizer,
-                                                             fingerprint, on_progress)
-        except DataError:  # bad input fails again: nothing to resume (Ctrl-C, kill -9, a full disk: resumed)
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        meta = {
-            "format": CACHE_FORMAT,
-            "version": CACHE_VERSION,
-            "fingerprint": fingerprint,
-            "source": settings.source,
-            "val_source": settings.val_source,
-            "val_fraction": settings.val_fraction,
-            "max_documents": settings.max_documents,
-            "max_bytes": settings.max_bytes,
-            "dtype": np.dtype(dtype).name,
-            "tokenizer": {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
-                          "eos_id": tokenizer.eos_id,
-                          "sha256": _sha256((partial / "tokenizer.json").read_bytes())},
-            "splits": splits,
-            **extra,
-        }
-        (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if not _written(partial, fingerprint):
+            try:
+                _write(partial, fingerprint, source, val_source, settings, tokenizer, on_progress)
+            except DataError:  # bad input fails again: nothing to resume (Ctrl-C, kill -9, a full disk: resumed)
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+            except OSError as error:
+                raise _stopped_by(error, partial) from None
+        (partial / PROGRESS_FILE).unlink(missing_ok=True)
         if directory.exists():
             shutil.rmtree(directory)  # never published by a build (no meta.json): only a stray copy
         partial.rename(directory)
         (directory / LOCK_FILE).unlink()
+
+
+def _build_directory(directory: Path) -> Path:
+    """The hidden directory where `directory` is built (its parent made, or a one-line error)."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DataError(f"cannot make the token cache's directory {directory.parent} ({error.strerror}: "
+                        f"{error.filename}); set data.cache_dir to a directory this user can write") from None
+    return directory.parent / f".{directory.name}.partial"
+
+
+def _written(partial: Path, fingerprint: str) -> bool:
+    """Whether `partial` holds a whole cache of `fingerprint` (a build stopped as it published)."""
+    if not (partial / "meta.json").is_file():
+        return False
+    try:
+        return open_corpus(partial).meta["fingerprint"] == fingerprint
+    except (DataError, OSError, KeyError):
+        return False
+
+
+def _write(partial: Path, fingerprint: str, source: Source, val_source: Source | None, settings: DataConfig,
+           tokenizer: Tokenizer | None, on_progress: Progress | None) -> None:
+    """Tokenize the corpus into `partial`, and last its meta.json."""
+    if settings.format == "records":
+        tokenizer, dtype, splits, extra = _write_records(_emptied(partial), source, val_source, settings, tokenizer)
+    else:
+        tokenizer, dtype, splits, extra = write_text(partial, source, val_source, settings, tokenizer, fingerprint,
+                                                     on_progress)
+    meta = {
+        "format": CACHE_FORMAT,
+        "version": CACHE_VERSION,
+        "fingerprint": fingerprint,
+        "source": settings.source,
+        "val_source": settings.val_source,
+        "val_fraction": settings.val_fraction,
+        "max_documents": settings.max_documents,
+        "max_bytes": settings.max_bytes,
+        "dtype": np.dtype(dtype).name,
+        "tokenizer": {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+                      "sha256": _sha256((partial / "tokenizer.json").read_bytes())},
+        "splits": splits,
+        **extra,
+    }
+    write_atomically(partial / "meta.json", json.dumps(meta, indent=1) + "\n")
+
+
+def _stopped_by(error: OSError, partial: Path) -> Exception:
+    """An error that stopped a build, in one line: a full disk names where, and that a rerun resumes."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    free = shutil.disk_usage(partial).free if partial.is_dir() else 0
+    return DataError(f"no space left on the device that holds {partial} ({error.strerror}; {free / 1e6:,.0f} MB "
+                     "free): free some space and run the same command again, and the preparation resumes where it "
+                     "stopped (or set data.cache_dir to another disk, to prepare it there from the start)")
 
 
 def _waiting(partial: Path, holder: dict) -> None:
@@ -376,7 +423,7 @@ def _read_examples(files: list[Path], forms: records.Templates, limit: int | Non
 def _tokenizer_for(partial: Path, texts: Sequence[str], settings: DataConfig, tokenizer: Tokenizer | None):
     """The tokenizer (given, or trained on `texts`), saved in the partial cache, and the dtype of its ids."""
     if tokenizer is None:
-        tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size)
+        tokenizer = trained_tokenizer(settings, texts)
     tokenizer.save(partial / "tokenizer.json")
     return tokenizer, ids_dtype(tokenizer)
 

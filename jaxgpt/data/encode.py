@@ -8,13 +8,22 @@ Workers are spawned, not forked: a process that has started JAX holds threads a 
 copy mid-flight. As with any spawned worker, each imports the main script again: a script
 that prepares data at its top level needs `if __name__ == "__main__":` (one that does not is
 told so, rather than left waiting).
+
+Workers die with their parent however it ends (kill -9 included): on Linux the kernel kills
+them (PR_SET_PDEATHSIG), elsewhere each polls its parent every second. A stream stopped before
+its end (Ctrl-C, an error) terminates its workers at once rather than waiting for the batches
+they are encoding, which would be thrown away.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
+import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -27,6 +36,8 @@ from jaxgpt.errors import DataError
 from jaxgpt.tokenizers import Tokenizer
 
 BATCHES_PER_WORKER = 2  # in flight: one being encoded, one waiting, per worker
+PARENT_POLL_SECONDS = 1.0  # where the kernel cannot kill a worker with its parent, it looks this often
+PR_SET_PDEATHSIG = 1  # prctl option: the signal a process gets when its parent ends (linux/prctl.h)
 WORKER_ENV = "JAXGPT_ENCODING_WORKER"  # set in the workers' environment: a worker never prepares data
 UNGUARDED = ("an encoding worker stopped before it began: a script that calls jaxgpt.data.prepare must do so under "
              "`if __name__ == '__main__':` (each worker imports the script again), or set data.workers=1")
@@ -66,7 +77,8 @@ def encoded_stream(items: Iterable[tuple[str, str]], tokenizer: Tokenizer, dtype
         return
     os.environ[WORKER_ENV] = "1"  # inherited by the workers as they start (on the first submissions)
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_worker, initargs=(tokenizer, dtype))
+                               initializer=_start_worker, initargs=(tokenizer, dtype, os.getpid()))
+    finished = False
     try:
         pending: deque[Future] = deque()
         for batch in chain([first, second], batches):
@@ -75,11 +87,23 @@ def encoded_stream(items: Iterable[tuple[str, str]], tokenizer: Tokenizer, dtype
                 yield from pending.popleft().result()
         while pending:
             yield from pending.popleft().result()
+        finished = True
     except BrokenProcessPool:
         raise DataError(UNGUARDED) from None
     finally:
         os.environ.pop(WORKER_ENV, None)
+        if not finished:
+            _terminate_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    """End the pool's workers now, mid-batch."""
+    if hasattr(pool, "terminate_workers"):  # Python ≥ 3.14
+        pool.terminate_workers()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # before 3.14, the only handle
+        process.terminate()
 
 
 def _batches(items: Iterable[tuple[str, str]], batch_chars: int) -> Iterator[Batch]:
@@ -98,10 +122,28 @@ def _batches(items: Iterable[tuple[str, str]], batch_chars: int) -> Iterator[Bat
 _worker_tokenizer: tuple[Tokenizer, np.dtype] | None = None
 
 
-def _start_worker(tokenizer: Tokenizer, dtype: np.dtype) -> None:
+def _start_worker(tokenizer: Tokenizer, dtype: np.dtype, parent: int) -> None:
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
+    die_with_parent(parent)
     _worker_tokenizer = tokenizer, dtype
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when the process `parent` ends, however it ends."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:  # it ended before the request was made
+                os._exit(1)
+            return
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(1)
 
 
 def _encode_in_worker(batch: Batch) -> list[Encoded]:

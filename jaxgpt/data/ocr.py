@@ -8,6 +8,10 @@ busy machine. Images are read by Pillow, PDF pages rendered by PDFium (pypdfium2
 both are in the ocr extra (`pip install 'jaxgpt[ocr]'`). Tesseract gives each word a confidence
 in [0, 100]; a page's is the mean over its words, a file's the mean over all its words.
 
+An image larger than Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`, up to
+twice that) is read, as Pillow allows, and named once in the reader's warning (Pillow's own
+warning, which names no file and comes again for each opening, is silenced while OCR reads).
+
 The recognised pages of a file are kept in `<data cache>/ocr/<key>.json`, the key hashing the
 file's contents, the engine's version, the language and the rendering resolution: a second
 prepare of the same files runs no OCR, and another Tesseract or language recognises anew.
@@ -27,6 +31,7 @@ import shutil
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -153,6 +158,11 @@ def _pillow():
     return Image, ImageOps
 
 
+def pixel_limit() -> int | None:
+    """Pillow's decompression-bomb limit: it warns above this many pixels, refuses above twice."""
+    return _pillow()[0].MAX_IMAGE_PIXELS
+
+
 def pdf_renderer_version() -> str | None:
     """pypdfium2's version (each pins its PDFium), or None when it is not installed."""
     try:
@@ -259,6 +269,7 @@ class Recognizer:
     `image(path)` and `pdf_pages(path, indices)` start the work on a file's pages at once and
     return a function that waits for them: its PageTexts, in page order (a BadFile when the
     file cannot be read). `close()` stops the pool and logs pages, seconds and characters.
+    `large_images` maps each image read above Pillow's decompression-bomb limit to its pixels.
     """
 
     def __init__(self, settings: OcrConfig, directory: Path):
@@ -270,11 +281,26 @@ class Recognizer:
         self._bar: Any = None
         self._lock = threading.Lock()
         self._started = 0.0
+        self._quiet: tuple | None = None  # the warnings filter that silences Pillow's, while this reads
         self.recognised = self.cached = self.characters = 0
+        self.large_images: dict[Path, int] = {}
 
     def image(self, path: Path) -> Callable[[], list[PageText]]:
         """Every page of an image file (a multi-page TIFF has several)."""
-        return self._pages(path, None, lambda index: load_image_page(path, index), None)
+        if self._quiet is None:
+            before = list(warnings.filters)
+            warnings.filterwarnings("ignore", category=_pillow()[0].DecompressionBombWarning)
+            self._quiet = warnings.filters[0] if warnings.filters[0] not in before else ()  # (): the caller's own
+
+        def load(index: int) -> Any:
+            page = load_image_page(path, index)
+            limit = pixel_limit()
+            if limit is not None and page.width * page.height > limit:
+                with self._lock:
+                    self.large_images[path] = page.width * page.height
+            return page
+
+        return self._pages(path, None, load, None)
 
     def pdf_pages(self, path: Path, indices: list[int]) -> Callable[[], list[PageText]]:
         """The pages `indices` (from 0) of a PDF, rendered at PDF_DPI."""
@@ -348,6 +374,9 @@ class Recognizer:
         write_json(self.directory / f"{key}.json", entry, ensure_ascii=False)
 
     def close(self) -> None:
+        if self._quiet in warnings.filters:
+            warnings.filters.remove(self._quiet)  # an "ignore" leaves nothing in the warnings' registries
+        self._quiet = None
         if self._pool is None:
             if self.cached:
                 log.info("OCR: %d page(s) read from the cache %s", self.cached, self.directory)

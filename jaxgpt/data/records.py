@@ -20,7 +20,8 @@ names is missing or empty (Alpaca's input). The presets (`data.records.template`
                         each assistant turn is a completion after "Assistant: ", and all before it prompt
 
 Every problem with a record is a one-line DataError naming the file and line (or record),
-and what to do.
+and what to do. Files are read as UTF-8: bytes that are not become U+FFFD, with one warning per
+file that names it and counts them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import difflib
 import io
 import json
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,13 +64,27 @@ def read_records(files: Sequence[Path], first_file: int = 0) -> Iterator[Record]
         if suffix not in RECORD_SUFFIXES:
             raise DataError(f"{path} is not a records file: data.format='records' reads {', '.join(RECORD_SUFFIXES)} "
                             "files (set data.format='text' for documents)")
-        text = path.read_text(encoding="utf-8-sig", errors="replace")
+        text = _text(path)
         if suffix == ".jsonl":
             yield from _jsonl(text, path, index)
         elif suffix == ".json":
             yield from _json(text, path, index)
         else:
             yield from _table(text, path, index, "\t" if suffix == ".tsv" else ",")
+
+
+def _text(path: Path) -> str:
+    """A records file's text (a leading byte-order mark dropped); undecodable bytes are replaced,
+    and counted in a warning."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8-sig", "replace")
+    replaced = text.count("\ufffd") - raw.count("\ufffd".encode())  # U+FFFD that the file holds is text
+    warnings.warn(f"{path} is not UTF-8: {replaced} undecodable byte sequence(s) became U+FFFD in its records; "
+                  "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) to keep those characters", stacklevel=3)
+    return text
 
 
 def _jsonl(text: str, path: Path, index: int) -> Iterator[Record]:

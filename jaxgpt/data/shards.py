@@ -2,9 +2,11 @@
 each, and read back as one array.
 
 A shard is written as `{name}.partial` and renamed when full (or when the split ends), so a
-file with the final name is complete; its token count and BLAKE2b-128 checksum go into the
-index. The split is the shards concatenated: a document may begin in one shard and end in
-the next, and so may a training window (`ShardedTokens` hides the seams).
+file with the final name is complete; its token count, BLAKE2b-128 checksum and `start` (where
+it starts in the stream of documents, as the caller says: jaxgpt.data.stream records the
+document and how many of its tokens the shard before holds) go into the index. The split is
+the shards concatenated: a document may begin in one shard and end in the next, and so may a
+training window (`ShardedTokens` hides the seams).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-CHECKSUM_BYTES = 16  # BLAKE2b-128, as the rest of the cache
+CHECKSUM_BYTES = 16  # BLAKE2b-128: accidental damage goes unnoticed with probability 2⁻¹²⁸
 READ_CHUNK_BYTES = 1 << 22
+CHECK_CHUNK_BYTES = 1 << 20  # a token file is checked 1 MiB at a time, which stays in cache
 
 
 def shard_name(split: str, index: int) -> str:
@@ -41,15 +44,38 @@ def prefix_checksum(path: Path, size: int) -> str | None:
     return digest.hexdigest()
 
 
+def check_tokens(path: Path, count: int, dtype: np.dtype, checksum: str | None, vocab_size: int) -> str | None:
+    """What is wrong with a token file, or None: an id outside the vocabulary (the first one),
+    or a checksum other than the one recorded. One pass, a chunk at a time, read rather than
+    mapped (so the check leaves nothing of the file in this process's memory)."""
+    digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    step = max(1, CHECK_CHUNK_BYTES // dtype.itemsize)
+    with open(path, "rb") as file:
+        for start in range(0, count, step):
+            chunk = np.fromfile(file, dtype, count=min(step, count - start))
+            digest.update(chunk)
+            if chunk.max() >= vocab_size:
+                position = int(np.argmax(chunk >= vocab_size))
+                return (f"holds id {chunk[position]} at position {start + position}, outside the tokenizer's "
+                        f"{vocab_size} ids")
+    if checksum is None:
+        return "has no checksum in meta.json"
+    if digest.hexdigest() != checksum:
+        return "does not match its checksum"
+    return None
+
+
 class ShardWriter:
     """Appends a split's tokens to its shards. `write` fills the open shard at most to its end;
-    the caller then `finish`es a `full` one, so it knows where each shard ended."""
+    the caller then `finish`es a `full` one, so it knows where each shard ended. `start` is
+    what the caller says of where the open shard starts, kept in its index entry."""
 
     def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int,
                  finished: list[dict[str, Any]] | None = None):
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, np.dtype(dtype), shard_tokens
         self.finished: list[dict[str, Any]] = list(finished or [])
         self.open_tokens = 0
+        self.start: Any = None
         self._digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
         self._file = None
 
@@ -68,11 +94,8 @@ class ShardWriter:
 
     def write(self, tokens: np.ndarray) -> int:
         """Append the first of `tokens` that fit in the open shard; return how many."""
-        if self._file is None:
-            # A resumed shard goes on after its kept tokens; a new one replaces any stale file.
-            self._file = open(self.path.with_name(self.path.name + ".partial"), "ab" if self.open_tokens else "wb")
         head = np.ascontiguousarray(tokens[:self.shard_tokens - self.open_tokens], self.dtype)
-        self._file.write(head.tobytes())
+        self._opened().write(head.tobytes())
         self._digest.update(head)
         self.open_tokens += len(head)
         return len(head)
@@ -81,22 +104,31 @@ class ShardWriter:
         """Close the open shard (if it holds anything), publish it and add it to the index."""
         if not self.open_tokens:
             return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        file = self._opened()  # a resumed shard that got no tokens since holds its kept ones
+        file.flush()
+        os.fsync(file.fileno())
+        file.close()
         self._file = None
         path = self.path
         os.replace(path.with_name(path.name + ".partial"), path)
-        self.finished.append({"file": path.name, "tokens": self.open_tokens, "blake2b": self._digest.hexdigest()})
-        self.open_tokens = 0
+        self.finished.append({"file": path.name, "tokens": self.open_tokens, "blake2b": self._digest.hexdigest(),
+                              "start": self.start})
+        self.open_tokens, self.start = 0, None
         self._digest = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+
+    def _opened(self):
+        """The open shard's file: a resumed shard goes on after its kept tokens; a new one replaces
+        any stale file."""
+        if self._file is None:
+            self._file = open(self.path.with_name(self.path.name + ".partial"), "ab" if self.open_tokens else "wb")
+        return self._file
 
     def state(self) -> dict[str, Any]:
         """What a resumed preparation needs: the finished shards and the open one's prefix."""
         if self._file is not None:
             self._file.flush()
         return {"finished": [dict(shard) for shard in self.finished], "open_tokens": self.open_tokens,
-                "open_blake2b": self._digest.hexdigest()}
+                "open_blake2b": self._digest.hexdigest(), "open_start": self.start}
 
     def close(self) -> None:
         if self._file is not None:
@@ -130,7 +162,7 @@ class ShardWriter:
         with open(partial, "r+b") as file:
             file.truncate(size)
             writer._digest.update(file.read())
-        writer.open_tokens = state["open_tokens"]
+        writer.open_tokens, writer.start = state["open_tokens"], state.get("open_start")
         return writer
 
 

@@ -13,7 +13,11 @@ and checksum. A preparation that was stopped (Ctrl-C, kill -9, a power cut) star
 from the newest checkpoint whose shards are intact: finished shards are checked and kept,
 never written again; the open shard is cut back to its recorded length; a damaged or
 truncated shard sends the build back to a checkpoint before it. The documents before the
-checkpoint are read again (the split rule needs their order) but not encoded.
+checkpoint are read again (the split rule needs their order) but not encoded. A shard whose
+writer gets no more tokens after a resume (the split's last) is finished from what it kept.
+progress.json stays until the cache's meta.json is written (jaxgpt.data.cache), so a build
+stopped at any moment resumes. Each shard's index entry records where it starts (document,
+tokens of it before), so that a damaged shard can be made again alone (jaxgpt.data.repair).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -64,7 +69,7 @@ def write_text(partial: Path, source: Source, val_source: Source | None, setting
         reader, corpus = first_pass
     else:
         reader = DocumentReader(settings)
-        corpus = _items(source, val_source, settings, reader)
+        corpus = corpus_items(source, val_source, settings, reader)
     items = islice(corpus, build.item, None)
     workers = settings.workers or default_workers()
     log.info("encoding %s from document %d with %d worker(s)", source.name, build.item, workers)
@@ -83,14 +88,13 @@ def write_text(partial: Path, source: Source, val_source: Source | None, setting
     finally:
         encoded.close()  # stops the workers now, also when this ends early
         build.close()
-    reader.warn()
     if not any(counts["documents"] for counts in splits.values()):
-        raise DataError(f"the corpus {settings.source!r} is empty: it holds no text")
-    (partial / PROGRESS_FILE).unlink()
+        raise _empty(settings, reader, held_out=False)
+    reader.warn()
     return tokenizer, dtype, splits, {"tokenizer_sample": sample}
 
 
-def _items(source: Source, val_source: Source | None, settings: DataConfig,
+def corpus_items(source: Source, val_source: Source | None, settings: DataConfig,
            reader: DocumentReader) -> Iterator[tuple[str, str]]:
     """(split, document) of the corpus, in order."""
     documents = capped(source.documents(reader), settings.max_documents, settings.max_bytes)
@@ -113,18 +117,40 @@ def _tokenizer(partial: Path, saved: dict | None, source: Source, val_source: So
     sample = first_pass = None
     if tokenizer is None:
         reader = DocumentReader(settings)
-        texts, sample_bytes, read = train_sample(_items(source, val_source, settings, reader),
+        texts, sample_bytes, read = train_sample(corpus_items(source, val_source, settings, reader),
                                                  settings.tokenizer_sample_bytes)
         if not texts:
-            raise DataError(f"the corpus {settings.source!r} is empty: it holds no text for the train split (if it "
-                            "holds documents, lower data.val_fraction)")
+            raise _empty(settings, reader, held_out=read is None or bool(read))
         log.info("training the %s tokenizer on %d documents (%d bytes)", settings.tokenizer, len(texts), sample_bytes)
-        tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size)
+        tokenizer = trained_tokenizer(settings, texts)
         sample = {"rule": SAMPLE_RULE, "limit": settings.tokenizer_sample_bytes, "bytes": sample_bytes,
                   "documents": len(texts)}
         first_pass = (reader, read) if read is not None else None
     tokenizer.save(path)
     return tokenizer, sample, first_pass
+
+
+def trained_tokenizer(settings: DataConfig, texts: Sequence[str]) -> Tokenizer:
+    """A tokenizer of the kind data.tokenizer names, trained on `texts`; a warning says so when
+    it learned fewer ids than data.vocab_size asks (all that the text holds)."""
+    tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size)
+    if settings.vocab_size is not None and tokenizer.vocab_size < settings.vocab_size:
+        text_bytes = sum(len(text.encode("utf-8")) for text in texts)
+        warnings.warn(f"data.vocab_size={settings.vocab_size:,} is more than the {settings.tokenizer} tokenizer can "
+                      f"learn from its {text_bytes:,} bytes of training text: it has {tokenizer.vocab_size:,} ids, "
+                      "and the tokens, meta.json and the model use that size", stacklevel=3)
+    return tokenizer
+
+
+def _empty(settings: DataConfig, reader: DocumentReader, held_out: bool) -> DataError:
+    """The error for a corpus without text to train on, saying why: the files it skipped, or a
+    validation split that took every document."""
+    if held_out and settings.val_source is None:
+        return DataError(f"the corpus {settings.source!r} holds no text for the train split: every document was held "
+                         f"out for validation (data.val_fraction={settings.val_fraction}); lower data.val_fraction")
+    skipped = reader.skipped()
+    why = f": every file was skipped, {skipped}" if skipped else ""
+    return DataError(f"the corpus {settings.source!r} is empty: it holds no text{why}")
 
 
 class _Build:
@@ -162,6 +188,8 @@ class _Build:
         done, self.done = self.done, 0
         writer = self.writers[split]
         while done < len(tokens):
+            if not writer.open_tokens:  # a new shard starts `done` tokens (<|eos|> first) into this document
+                writer.start = [index, done]
             done += writer.write(tokens[done:])
             if writer.full:
                 writer.finish()

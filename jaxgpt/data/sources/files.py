@@ -89,21 +89,28 @@ def stdlib_files() -> list[Path]:
     return files
 
 
+def _stamp(file: Path) -> tuple[int | None, int | None]:
+    """A file's size and modification time; None, None for one that cannot be read (a broken
+    symbolic link: the reader skips it or stops, as data.files.on_bad_file says)."""
+    try:
+        stat = file.stat()
+    except OSError:
+        return None, None
+    return stat.st_size, stat.st_mtime_ns
+
+
 def files_source(spec: str, name: str, files: list[Path], settings: DataConfig) -> Source:
     """The Source of local files: its identity is each file's path, size and modification
     time, and the settings that change what is read from files with their suffixes."""
     if not files:
         raise DataError(f"data source {spec!r} holds no files")
-    identity: dict[str, Any] = {
-        "kind": "files",
-        "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
-    }
+    identity: dict[str, Any] = {"kind": "files", "files": [[str(f.resolve()), *_stamp(f)] for f in files]}
     suffixes = {f.suffix.lower() for f in files}
     if ".jsonl" in suffixes:
         identity["text_field"] = settings.files.text_field
     if ".pdf" in suffixes:
         identity["pypdf"] = pdf_library().__version__  # text extraction differs by version
-    if suffixes & (ocr.IMAGE_SUFFIXES | {".pdf"}):
+    if suffixes & (ocr.IMAGE_SUFFIXES | {".pdf"}) or any(stamp[1] is None for stamp in identity["files"]):
         identity["on_bad_file"] = settings.files.on_bad_file  # 'warn' may have skipped a file that 'error' refuses
     identity.update(ocr.identity(settings.ocr, suffixes))  # images and scanned pages: the engine, language, …
 

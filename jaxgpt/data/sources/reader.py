@@ -7,19 +7,22 @@ document, its text layer (needs the pdf extra: `pip install 'jaxgpt[pdf]'`), pag
 Under `data.ocr.mode` 'auto' (the default) an image (`.png .jpg .jpeg .tif .tiff .bmp .webp`)
 gives one document per page of the text OCR reads in it, and a PDF page without a text layer
 is read by OCR (under 'always' every PDF page is; under 'never' images are binary files); see
-jaxgpt.data.ocr. A file that cannot be read (a corrupt image or PDF) is skipped with a warning,
-or with `data.files.on_bad_file='error'` stops the preparation. Empty documents are dropped.
+jaxgpt.data.ocr. A file that cannot be read (a corrupt image or PDF, a broken symbolic link, a
+file this user may not read) is skipped with a warning, or with `data.files.on_bad_file='error'`
+stops the preparation. Empty documents are dropped.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from jaxgpt.config import DataConfig
 from jaxgpt.data import ocr
@@ -52,6 +55,7 @@ class DocumentReader:
         self.pdfs_without_text: list[Path] = []
         self.unreadable: list[tuple[Path, str]] = []
         self.low_confidence: list[tuple[Path, float]] = []
+        self.large_images: dict[Path, int] = {}
 
     def read(self, path: Path) -> list[str]:
         return list(self.read_files([path]))
@@ -68,6 +72,7 @@ class DocumentReader:
                 yield from ahead.popleft()()
         finally:
             recognizer.close()
+            self.large_images.update(recognizer.large_images)
 
     def warn(self) -> None:
         notes = []
@@ -77,13 +82,17 @@ class DocumentReader:
                          f"{self.files_with_replacements[0]}")
         if self.binary_files:
             notes.append(f"skipped {len(self.binary_files)} binary file(s), e.g. "
-                         f"{self.binary_files[0]}")
+                         f"{self.binary_files[0]}{self._images_hint()}")
         if self.pdfs_without_text:
             notes.append(f"found no text layer in {len(self.pdfs_without_text)} PDF(s), e.g. "
                          f"{self.pdfs_without_text[0]} (scanned pages need OCR: set data.ocr.mode='auto')")
         if self.unreadable:
             notes.append(f"skipped {len(self.unreadable)} unreadable file(s): "
                          + _listed(f"{path} ({problem})" for path, problem in self.unreadable))
+        if self.large_images:
+            notes.append(f"read {len(self.large_images)} image(s) larger than Pillow's decompression-bomb limit "
+                         f"of {ocr.pixel_limit():,} pixels: "
+                         + _listed(f"{path} ({pixels:,} pixels)" for path, pixels in self.large_images.items()))
         if self.low_confidence:
             kept = ("dropped them" if self.settings.ocr.drop_low_confidence
                     else "kept them (data.ocr.drop_low_confidence=True drops them)")
@@ -93,6 +102,28 @@ class DocumentReader:
                          + f"; {kept}")
         if notes:
             warnings.warn("reading the corpus: " + "; ".join(notes), stacklevel=3)
+
+    def skipped(self) -> str:
+        """The files whose text was left out, and why, in words ('' when none was)."""
+        notes = []
+        if self.binary_files:
+            notes.append(f"{len(self.binary_files)} binary file(s): {_listed(map(str, self.binary_files))}"
+                         + self._images_hint())
+        if self.pdfs_without_text:
+            notes.append(f"{len(self.pdfs_without_text)} PDF(s) without a text layer: "
+                         f"{_listed(map(str, self.pdfs_without_text))} (scanned pages need OCR: data.ocr.mode='auto')")
+        if self.unreadable:
+            notes.append(f"{len(self.unreadable)} unreadable file(s): "
+                         + _listed(f"{path} ({problem})" for path, problem in self.unreadable))
+        if self.low_confidence and self.settings.ocr.drop_low_confidence:
+            notes.append(f"{len(self.low_confidence)} file(s) below data.ocr.min_confidence: "
+                         + _listed(f"{path} ({confidence:.1f})" for path, confidence in self.low_confidence))
+        return "; ".join(notes)
+
+    def _images_hint(self) -> str:
+        if any(path.suffix.lower() in ocr.IMAGE_SUFFIXES for path in self.binary_files):
+            return " (images are read by OCR under data.ocr.mode='auto' or 'always', not 'never')"
+        return ""
 
     def _begin(self, path: Path, recognizer: ocr.Recognizer) -> Callable[[], Iterable[str]]:
         """Start reading `path`; the function returned finishes it and gives its documents."""
@@ -168,9 +199,12 @@ class DocumentReader:
         return []
 
     def _text_documents(self, path: Path) -> Iterable[str]:
-        if path.suffix.lower() == ".jsonl":
-            return self._jsonl_documents(path)
-        raw = path.read_bytes()
+        try:
+            if path.suffix.lower() == ".jsonl":
+                return self._jsonl_documents(path, open(path, "rb"))  # the generator closes it
+            raw = path.read_bytes()
+        except OSError as error:
+            raise ocr.BadFile(_unreadable(path, error)) from None
         if b"\0" in raw[:BINARY_PROBE_BYTES]:
             self.binary_files.append(path)
             return []
@@ -192,9 +226,10 @@ class DocumentReader:
         if not self.files_with_replacements or self.files_with_replacements[-1] != origin:
             self.files_with_replacements.append(origin)
 
-    def _jsonl_documents(self, path: Path) -> Iterator[str]:
-        """The documents of a .jsonl file, read a line at a time (the file is never held whole)."""
-        with open(path, "rb") as file:
+    def _jsonl_documents(self, path: Path, file: BinaryIO) -> Iterator[str]:
+        """The documents of a .jsonl file open as `file`, read a line at a time (the file is never
+        held whole)."""
+        with file:
             if b"\0" in file.read(BINARY_PROBE_BYTES):
                 self.binary_files.append(path)
                 return
@@ -229,6 +264,13 @@ class DocumentReader:
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unreadable(path: Path, error: OSError) -> str:
+    """Why a file cannot be read, in words."""
+    if path.is_symlink() and not path.exists():
+        return f"a broken symbolic link to {os.readlink(path)}"
+    return error.strerror or type(error).__name__
 
 
 def pdf_library():
