@@ -1,7 +1,9 @@
 """Preparation at scale: peak memory against corpus size, throughput against workers, and a
-kill -9 in the middle of a preparation resumed to the same bytes.
+kill -9 in the middle of a preparation resumed to the same bytes; or, with --large, a corpus of
+large documents prepared with a BPE tokenizer trained in the preparation, 1 worker against 2.
 
     python bench/bench_prepare.py [--scale 1.0] [--workdir DIR] [--keep]
+    python bench/bench_prepare.py --large [--size_mb 200] [--document_mb 5] [--runs 3]
 
 The corpus (≥ 1 GB at --scale 1) is generated: the standard library's .py files copied over
 and over, each copy changed deterministically (some identifiers renamed, a header naming the
@@ -13,26 +15,38 @@ measure reading, encoding and writing, not BPE training (whose time is printed a
 
 Memory: the peak resident memory of the preparing process (its ru_maxrss), the largest of
 its encoding workers (RUSAGE_CHILDREN) and, when psutil is installed, the peak of the whole
-process tree's sum sampled every 0.1 s. Throughput: MB of text per second with 1 and 2
+process tree's sum sampled every 50 ms. Throughput: MB of text per second with 1 and 2
 workers, and their ratio (measured side by side on this machine). Resume: the 1 × scale
 corpus prepared with 2 workers and killed (SIGKILL) halfway through its uninterrupted time,
 then prepared again: the shards must equal the uninterrupted ones byte for byte.
+
+--large: documents of --document_mb MB (--size_mb MB in all) of made-up words drawn by Zipf's
+law from a 400,000-word vocabulary, the same every time (seeded). Each run prepares it with
+data.tokenizer=bpe, vocab_size 8192 (the default sample, 200 MB, so the tokenizer learns from the
+whole train split), once with 1 worker and once with 2, alternating, each in a new process. The
+table gives the median wall time of the runs (the process's whole life), 2 workers against 1, and
+the peak resident memory of the whole process tree (parent and workers summed, sampled every
+50 ms); both tokenizers must be the same file.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -62,6 +76,7 @@ print(json.dumps({"seconds": took, "bytes": sum(s["bytes"] for s in splits), "to
                   "worker_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
                   "directory": str(corpus.directory)}))
 """
+SAMPLE_SECONDS = 0.05  # how often the process tree's memory is sampled
 
 
 def one_copy(text: str, copy: int) -> str:
@@ -105,7 +120,7 @@ def prepare(cfg: dict, kill_after: float | None = None) -> dict | None:
             process.wait()
             return None
         tree_peak = max(tree_peak, tree_rss(process.pid))
-        time.sleep(0.1)
+        time.sleep(SAMPLE_SECONDS)
     output = process.stdout.read().decode()
     if process.returncode:
         raise SystemExit(f"preparing {cfg['source']} failed (exit {process.returncode})")
@@ -138,10 +153,17 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="for the corpus and caches (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir")
     parser.add_argument("--sample-mb", type=float, default=5.0, help="text the BPE tokenizer is trained on")
+    parser.add_argument("--large", action="store_true", help="large documents, BPE trained in the preparation")
+    parser.add_argument("--size_mb", type=float, default=200.0, help="--large: the corpus's size")
+    parser.add_argument("--document_mb", type=float, default=5.0, help="--large: each document's size")
+    parser.add_argument("--runs", type=int, default=3, help="--large: runs of each worker count (the median)")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_prepare-"))
     try:
-        run(workdir, args.scale, args.sample_mb)
+        if args.large:
+            large_case(workdir, args.size_mb, args.document_mb, args.runs)
+        else:
+            run(workdir, args.scale, args.sample_mb)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -207,6 +229,77 @@ def resume_row(workdir: Path, cfg: dict) -> None:
                   "yes" if identical else "NO")])
     if not identical:
         raise SystemExit("the resumed preparation differs from the uninterrupted one")
+
+
+def large_case(workdir: Path, size_mb: float, document_mb: float, runs: int) -> None:
+    """Prepare a corpus of large documents with BPE trained in the preparation: 1 and 2 workers, alternating."""
+    print(f"CPU: {cpu_model()}")
+    corpus = workdir / "large"
+    start = time.perf_counter()
+    count = write_large_documents(corpus, size_mb * 1e6, document_mb * 1e6)
+    print(f"generated {count} documents of ~{document_mb:g} MB in {time.perf_counter() - start:.0f} s\n")
+    cfg = {"source": str(corpus), "tokenizer": "bpe", "vocab_size": VOCAB_SIZE, "val_fraction": 0.01}
+    results: dict[int, list[dict]] = {1: [], 2: []}
+    for run in range(runs):
+        for workers in (1, 2):
+            cache = workdir / f"cache-large-{workers}"
+            result = prepare({**cfg, "workers": workers, "cache_dir": str(cache)})
+            result["tokenizer"] = hashlib.sha256(Path(result["directory"], "tokenizer.json").read_bytes()).hexdigest()
+            results[workers].append(result)
+            shutil.rmtree(cache)
+            print(f"run {run + 1}, {workers} worker(s): {result['wall']:.1f} s, tree peak {mb(result['tree_rss'])} MB")
+    wall = {workers: statistics.median(r["wall"] for r in rows) for workers, rows in results.items()}
+    peak = {workers: max(r["tree_rss"] for r in rows) for workers, rows in results.items()}
+    same = len({r["tokenizer"] for rows in results.values() for r in rows}) == 1
+    print()
+    print_table(("workers", f"wall s (median of {runs})", "MB/s of text", "peak MB (tree)", "peak MB (main)",
+                 "same tokenizer"),
+                [(str(workers), f"{wall[workers]:.1f}", f"{results[workers][0]['bytes'] / wall[workers] / 1e6:.1f}",
+                  mb(peak[workers]) if psutil else "-", mb(max(r["self_rss"] for r in results[workers])),
+                  "yes" if same else "NO") for workers in (1, 2)])
+    print(f"\n2 workers / 1 worker: {wall[1] / wall[2]:.2f}× faster end to end (goal ≥ 1.8×); "
+          f"peak of the process tree {mb(max(peak.values()))} MB (goal ≤ 1,000 MB)")
+    if not same:
+        raise SystemExit("the tokenizers trained with 1 and 2 workers differ")
+
+
+def write_large_documents(root: Path, total_bytes: float, document_bytes: float) -> int:
+    """Write documents of about `document_bytes` (`total_bytes` in all) of made-up words, Zipf-distributed."""
+    rng = np.random.default_rng(0)
+    words = made_up_words(rng, 400_000)
+    rank = np.arange(len(words))
+    cdf = np.cumsum(1 / (rank + 2.7))
+    cdf /= cdf[-1]
+    separators = np.array([" ", ", ", ". ", ".\n", "\n\n"], dtype=object)
+    separator_cdf = np.array([0.85, 0.91, 0.96, 0.99, 1.0])
+    root.mkdir(parents=True, exist_ok=True)
+    count = max(1, round(total_bytes / document_bytes))
+    for d in range(count):
+        draw = np.random.default_rng([1, d])
+        n = int(document_bytes / 8.8)  # a word and its separator take 8.8 bytes on average
+        text = np.empty(2 * n, dtype=object)
+        text[0::2] = words[np.minimum(np.searchsorted(cdf, draw.random(n)), len(words) - 1)]
+        text[1::2] = separators[np.searchsorted(separator_cdf, draw.random(n))]
+        (root / f"doc-{d:04d}.txt").write_text("".join(text.tolist()), encoding="utf-8")
+    return count
+
+
+def made_up_words(rng: np.random.Generator, count: int) -> np.ndarray:
+    """`count` words of 1–4 syllables and an ending, as an object array."""
+    syllables = np.array([c + v for c in [*"bcdfghjklmnprstvwz", "th", "st", "ch", "sh", "tr"]
+                          for v in [*"aeiou", "ea", "ou", "ai"]])
+    endings = np.array(["", "", "", "s", "ed", "ing", "ly", "n"])
+    lengths, picks = rng.integers(1, 5, count), rng.integers(0, len(syllables), (count, 4))
+    ends = endings[rng.integers(0, len(endings), count)]
+    return np.array(["".join(syllables[picks[i, :lengths[i]]]) + ends[i] for i in range(count)], dtype=object)
+
+
+def cpu_model() -> str:
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no lscpu)"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "unknown")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 bfloat16 compute with float32 parameters, ~0.5M tokens per step through gradient
 accumulation (16 rows × 1024 tokens × 32 micro-batches = 524,288). For GPUs or a TPU slice:
 
-    python train.py --config=configs/gpt2_124m.py --config.data.source=tfds:NAME \\
+    python train.py --config=configs/gpt2_124m.py --config.data.source=SOURCE \\
         --config.mesh.fsdp=-1 --config.mesh.data=1 --config.train.grad_accum=4 --config.train.batch_size=128
 
 Scale train.batch_size up and train.grad_accum down with the devices (their product × 1024
@@ -14,7 +14,7 @@ from jaxgpt.config import default_config
 
 def get_config():
     config = default_config()
-    config.data.source = "tfds:openwebtext"
+    config.data.source = "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train"  # the hf extra; or your files
     config.data.tokenizer = "bpe"  # or the path of a saved tokenizer file, e.g. GPT-2's own
     config.data.vocab_size = 50257
     config.model.update(vocab_size=50304,  # the tokenizer's 50257 padded to a multiple of 64, as GPUs like

@@ -85,6 +85,8 @@ def topology_devices(name: str, chips_per_host: str | None = None) -> list:
     from jax.experimental import topologies
 
     kwargs: dict[str, Any] = {"chip_config_name": "megacore"} if chip == "v4" else {}
+    if not chips_per_host and any(int(n) < 2 for n in shape.split("x")[:2]):  # less than a host's 2x2 chips
+        chips_per_host = shape  # the slice is one host
     if chips_per_host:
         bounds = [int(n) for n in chips_per_host.split("x")]
         kwargs["chips_per_host_bounds"] = tuple(bounds + [1] * (3 - len(bounds)))
@@ -244,7 +246,7 @@ def _eval_program(gpt, mesh, params, rows: int, packed: bool, flops_per_token: f
     from jaxgpt import evaluation
 
     inputs, targets, mask, *rest = batch_structs(mesh, rows, gpt.cfg.block_size, packed, masked=True)
-    lowered = evaluation._ignoring_step(gpt).lower(params, inputs, targets, mask, -1, *rest)
+    lowered = evaluation.ignoring_step(gpt).lower(params, inputs, targets, mask, -1, *rest)
     tokens = rows * gpt.cfg.block_size
     return Program("eval step", _compiled(lowered, "eval step"),
                    {"parameters": per_device_bytes(params), "optimizer state": 0,
@@ -268,12 +270,9 @@ def _generate_program(gpt, mesh, params, sample) -> Program:
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 1))
     keys = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=whole)
     top_k = int(sample.top_k or 0)
-    program = sampling._Program(config=gpt.cfg, compute=gpt.compute, max_new_tokens=int(sample.max_new_tokens),
-                                top_k=top_k if 0 < top_k < gpt.cfg.vocab_size else None, use_top_p=False,
-                                top_logprobs=0)
-    traced = sampling._Traced(temperature=np.float32(1.0), top_p=np.float32(1.0), eos_id=np.int32(-1),
-                              pad_id=np.int32(0))
-    lowered = sampling._generate_program.lower(params, prompts, lengths, keys, traced, program)
+    options = sampling.SamplingOptions(max_new_tokens=int(sample.max_new_tokens),
+                                       top_k=top_k if top_k > 0 else None)
+    lowered = sampling.lower_generate(params, gpt.cfg, prompts, lengths, keys, options, gpt.compute)
     return Program("generate", _compiled(lowered, "generate"),
                    {"parameters": per_device_bytes(params), "optimizer state": 0,
                     "batch": per_device_bytes((prompts, lengths))}, 0, None)  # its decoding loop: no roofline

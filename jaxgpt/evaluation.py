@@ -64,7 +64,7 @@ def _evaluate(model, params, make_batch, count_batches, batch_size, bytes_per_to
               ignore_id) -> dict:
     model = as_model(model)
     if model not in _EVAL_STEPS:  # one compiled step per model, however often it is evaluated
-        _EVAL_STEPS[model] = _ignoring_step(model)
+        _EVAL_STEPS[model] = ignoring_step(model)
     eval_step = _EVAL_STEPS[model]
     if batch_sharding is None:
         batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -87,7 +87,7 @@ def _evaluate(model, params, make_batch, count_batches, batch_size, bytes_per_to
     return result if ignore_id is None else {**result, "val_ignored": int(ignored)}
 
 
-def _ignoring_step(model: GPT):
+def ignoring_step(model: GPT):
     """The jitted eval step with the targets equal to `ignore_id` taken out of the mask:
     (Σ loss, count, how many were taken out)."""
     eval_step = make_eval_step(model)

@@ -339,6 +339,11 @@ def _prepare(config, compute, prompts, key, prompt_lengths, options: SamplingOpt
     check_reach(config, prompts, longest, options.max_new_tokens)
     _check_key(key, prompts.shape[0])
     row_keys = _row_keys(key, prompts.shape[0])  # so that one program serves one key and a key per row
+    return prompts, prompt_lengths, row_keys, longest, *_choices(config, compute, options)
+
+
+def _choices(config, compute, options: SamplingOptions) -> tuple[_Traced, _Program]:
+    """The options as the program takes them: (the traced ones, the static ones)."""
     top_k = options.top_k
     program = _Program(
         config=config,
@@ -354,7 +359,16 @@ def _prepare(config, compute, prompts, key, prompt_lengths, options: SamplingOpt
         eos_id=_scalar(-1 if options.eos_id is None else options.eos_id, np.int32),
         pad_id=_scalar(options.pad_id, np.int32),
     )
-    return prompts, prompt_lengths, row_keys, longest, traced, program
+    return traced, program
+
+
+def lower_generate(params, config: GPTConfig, prompts, prompt_lengths, row_keys, options: SamplingOptions,
+                   compute: ComputeConfig | None = None):
+    """generate's program lowered, not run, for arguments given as jax.ShapeDtypeStructs with
+    their shardings (params; prompts (B, P) int32, P a bucket's width; prompt_lengths (B,);
+    row_keys (B,) keys): how jaxgpt.compile compiles it for a TPU topology."""
+    traced, program = _choices(config, ComputeConfig() if compute is None else compute, options)
+    return _generate_program.lower(params, prompts, prompt_lengths, row_keys, traced, program)
 
 
 def _scalar(value, dtype):

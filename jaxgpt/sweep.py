@@ -137,7 +137,7 @@ def parse_cells(plan: list[Cell], config_argv: list[str], out: Path) -> None:
             cell.config = parse_config(["sweep", *config_argv, *cell.overrides, f"--config.train.seed={cell.seed}",
                                         f"--config.run_dir={out / cell.name}"], DEFAULT_CONFIG)
         except ConfigError as error:
-            cell.refused = str(error)
+            cell.refused = one_line(error, limit=2000)
 
 
 def check_cells(plan: list[Cell], config_argv: list[str]) -> None:

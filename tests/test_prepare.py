@@ -81,6 +81,22 @@ def test_one_and_three_workers_write_identical_shards_and_index(tmp_path, corpus
     assert one.meta == three.meta
 
 
+def test_a_bpe_tokenizer_counted_by_two_workers_is_the_file_one_process_trains(tmp_path, corpus_dir, monkeypatch):
+    from jaxgpt.tokenizers import bpe_training
+
+    splits = []  # the texts cut into pieces in this process, for counting
+    original = bpe_training.split
+    monkeypatch.setattr(bpe_training, "split", lambda splitter, text: splits.append(text) or original(splitter, text))
+    settings_ = {"tokenizer": "bpe", "vocab_size": 400, "encode_batch_bytes": 8_000}
+    one = data.prepare(config(tmp_path, corpus_dir, "one", **settings_))
+    assert len(splits) > 200  # every train document, counted here
+    splits.clear()
+    two = data.prepare(config(tmp_path, corpus_dir, "two", **{**settings_, "workers": 2}))
+    assert splits == []  # counted by the worker processes
+    assert (one.directory / "tokenizer.json").read_bytes() == (two.directory / "tokenizer.json").read_bytes()
+    assert shard_files(one) == shard_files(two)
+
+
 # --- shards ------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,11 @@
-"""The README's first two commands are what CI runs and what a new user types."""
+"""The README's first two commands are what CI runs and what a new user types; its other commands
+must parse, and its tables must be what their commands and the project's registries give."""
 
+import importlib
+import importlib.util
+import json
+import re
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,11 +34,159 @@ def test_ci_runs_the_readme_install_and_test_command():
 
 def test_every_data_key_the_readme_names_is_a_key():
     """`data.files.text_field`, `--config.data.workers`, …: a key that moves cannot stay behind in the README."""
-    import re
-
     from jaxgpt.config import default_config, unknown_key
 
     config = default_config()
     named = set(re.findall(r"(?:`|--config\.)(data(?:\.[a-z_]+)+)", (ROOT / "README.md").read_text()))
     missing = [f"{key} ({unknown_key(config, key)})" for key in sorted(named) if unknown_key(config, key)]
     assert "data.ocr.lang" in named and not missing, missing
+
+
+# --- the README's commands and tables against the code ----------------------------------------
+
+CONFIG_CLIS = ("train.py", "jaxgpt.data")  # their arguments are a config's: --config=FILE --config.KEY=VALUE
+ARGPARSE_CLIS = ("eval.py", "sample.py", "jaxgpt.export", "jaxgpt.viz")  # each with its parse_args(argv)
+
+
+def bash_blocks():
+    """(the text after it, its command lines) for each ```bash block, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
+        lines = [line.strip() for line in match[1].replace("\\\n", " ").splitlines()]
+        yield text[match.end():], [line for line in lines if line.startswith("python ")]
+
+
+def commands(program: str):
+    """The argument lists of the README's code lines that run `program` (a script or a -m module);
+    a line with an elision (…) is an outline, not a command."""
+    for _, lines in bash_blocks():
+        for line in lines:
+            argv = shlex.split(line, comments=True)[1:]
+            argv = argv[1:] if argv[0] == "-m" else argv
+            if argv[0] == program and "…" not in line:
+                yield argv[1:]
+
+
+def test_readme_config_commands_parse():
+    """Every train.py and `python -m jaxgpt.data` line: its keys exist and its values have their types."""
+    from jaxgpt.cli import parse_config
+
+    parsed = 0
+    for program in CONFIG_CLIS:
+        for args in commands(program):
+            parse_config([program, *args], ROOT / "configs" / "default.py")
+            parsed += 1
+    assert parsed >= 15
+
+
+def test_readme_tfds_sources_are_datasets_tfds_knows():
+    """A command that reads `tfds:NAME` (given, or its config's) names a dataset TFDS can build
+    (looked up by name, nothing downloaded): configs/gpt2_124m.py's tfds:openwebtext is not one, so
+    every command with that config that reads data must give its own source."""
+    import tensorflow_datasets as tfds
+
+    import jaxgpt.data.tfds_local  # noqa: F401  registers local_text_corpus
+    from jaxgpt.cli import parse_config
+
+    known = set(tfds.list_builders(with_community_datasets=False))
+    sources = [parse_config([program, *args], ROOT / "configs" / "default.py") for program in CONFIG_CLIS
+               for args in commands(program)]
+    named = {config.data.source.split(":")[1].split("/")[0] for config in sources
+             if config.data.source.startswith("tfds:") and not config.compile_only}  # compile_only reads no data
+    assert named <= known, f"TFDS has no {sorted(named - known)}"
+    assert "local_text_corpus" in named
+
+
+def script(name: str):
+    """A CLI script of the repository's root (eval.py, sample.py) as a module."""
+    spec = importlib.util.spec_from_file_location(f"readme_{name.removesuffix('.py')}", ROOT / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_script_commands_parse():
+    """Every eval.py, sample.py, export and viz line names flags that exist, with values of their types."""
+    for program in ARGPARSE_CLIS:
+        module = script(program) if program.endswith(".py") else importlib.import_module(program)
+        lines = list(commands(program))
+        assert lines, program
+        for args in lines:
+            module.parse_args(args)
+
+
+def test_readme_bench_commands_name_scripts_and_their_flags():
+    text = (ROOT / "README.md").read_text()
+    named = re.findall(r"python (bench/\w+\.py)((?: --?\w+(?: [\w./]+)?)*)", text)
+    assert len(named) >= 10
+    for path, flags in named:
+        source = (ROOT / path).read_text()
+        missing = [flag for flag in re.findall(r"--\w+", flags) if f'"{flag}"' not in source]
+        assert not missing, f"{path}: {missing}"
+
+
+def sweep_tables():
+    """(argv, the table's rows as {column: value}, the cells listed under 'Not in this table:')
+    of each sweep command in the README and the summary printed under it."""
+    for after, lines in bash_blocks():
+        sweeps = [line for line in lines if line.startswith("python -m jaxgpt.sweep")]
+        if not sweeps:
+            continue
+        rest = after.lstrip("\n").splitlines()
+        table = rest[: next(i for i, line in enumerate(rest) if not line.startswith("|"))]
+        header = [cell.strip() for cell in table[0].strip("|").split("|")]
+        rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+                for line in table[2:]]
+        left = rest[len(table) + 1:]
+        left_out = [line[2:].split(": ", 1)[0] for line in left[1:] if line.startswith("- ")] \
+            if left and left[0] == "Not in this table:" else []
+        yield shlex.split(sweeps[0])[3:], rows, left_out
+
+
+def test_readme_sweep_tables_are_their_commands_cells():
+    """Each sweep table has a row per setting its command trains, in order, and lists the cells the
+    config refuses; a cell configured the same in two tables has the same results in both."""
+    from jaxgpt import sweep
+
+    results = {}
+    tables = list(sweep_tables())
+    assert len(tables) == 3
+    for argv, rows, left_out in tables:
+        args, config_argv = sweep.parse_args(argv)
+        plan = sweep.cells(sweep.grid_of(args.grid, config_argv), sweep.seeds_of(args.seeds))
+        sweep.parse_cells(plan, config_argv, ROOT / args.out)
+        sweep.check_cells(plan, config_argv)
+        trained = list(dict.fromkeys(cell.name.rsplit(",seed=", 1)[0] for cell in plan if not cell.refused))
+        assert [row["setting"] for row in rows] == trained, argv
+        assert left_out == [cell.name for cell in plan if cell.refused], argv
+        for cell in plan:
+            row = next((row for row in rows if row["setting"] == cell.name.rsplit(",seed=", 1)[0]), None)
+            if cell.refused or row["seeds"] != "1":
+                continue
+            same_run = json.dumps(sweep.as_asked(cell.config), sort_keys=True)
+            shown = {key: row[key] for key in ("final val loss", "val bpb", "params")}
+            assert results.setdefault(same_run, (cell.name, shown))[1] == shown, (results[same_run][0], cell.name)
+    assert len(results) < sum(len(rows) for _, rows, _ in tables if rows[0]["seeds"] == "1")  # tables share runs
+
+
+def test_readme_records_presets_are_the_presets():
+    """The preset table: one row per preset of jaxgpt.data.records, with its templates."""
+    from jaxgpt.data.records import PRESETS
+
+    table = (ROOT / "README.md").read_text().split("| preset | fields |", 1)[1].split("\n\n")[0]
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \| (.+) \|$", table, re.M)
+    assert [name for name, _ in rows] == list(PRESETS)
+    for name, forms in rows:
+        if PRESETS[name] is not None:
+            shown = tuple(form.replace("\\n", "\n") for form in re.findall(r"`([^`]+)`", forms))
+            assert shown == PRESETS[name], name
+
+
+def test_readme_math_table_names_functions_that_exist():
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## The math and where it lives", 1)[1].split("\n\n", 2)[1]
+    named = re.findall(r"`(ops|model|optim|training|sampling|decoding|run)\.(\w+)`", table)
+    assert len(named) >= 20
+    missing = [f"{module}.{name}" for module, name in named
+               if not hasattr(importlib.import_module(f"jaxgpt.{module}"), name)]
+    assert not missing, missing

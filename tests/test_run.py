@@ -705,7 +705,7 @@ def test_an_end_sample_whose_prompt_the_data_cannot_encode_warns_and_the_run_exi
                                                                                 tiny.items()],
                         f"--config.data.cache_dir={tmp_path / 'cache'}", f"--config.run_dir={tmp_path / 'run'}"])
     assert out.returncode == 0, out.stderr[-3000:]
-    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: ")]
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: sample")]
     assert len(warnings) == 1 and "sample.prompt cannot be encoded" in warnings[0] and "'C'" in warnings[0]
     assert "Traceback" not in out.stderr
     assert (tmp_path / "run" / "sample.txt").read_text() in out.stdout

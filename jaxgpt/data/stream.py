@@ -23,6 +23,7 @@ tokens of it before), so that a damaged shard can be made again alone (jaxgpt.da
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ import numpy as np
 
 from jaxgpt import tokenizers
 from jaxgpt.config import DataConfig
-from jaxgpt.data.encode import default_workers, encoded_stream
+from jaxgpt.data.encode import counted, default_workers, encoded_stream
 from jaxgpt.data.shards import ShardWriter
 from jaxgpt.data.sources import DocumentReader, Source
 from jaxgpt.data.split import SAMPLE_RULE, SPLITS, assign_splits, capped, train_sample
@@ -131,9 +132,12 @@ def _tokenizer(partial: Path, saved: dict | None, source: Source, val_source: So
 
 
 def trained_tokenizer(settings: DataConfig, texts: Sequence[str]) -> Tokenizer:
-    """A tokenizer of the kind data.tokenizer names, trained on `texts`; a warning says so when
-    it learned fewer ids than data.vocab_size asks (all that the text holds)."""
-    tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size)
+    """A tokenizer of the kind data.tokenizer names, trained on `texts` (its pieces counted by the
+    encoding workers, for a kind that learns from counts); a warning says so when it learned fewer
+    ids than data.vocab_size asks (all that the text holds)."""
+    count = functools.partial(counted, workers=settings.workers or default_workers(),
+                              batch_chars=settings.encode_batch_bytes)
+    tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size, count=count)
     if settings.vocab_size is not None and tokenizer.vocab_size < settings.vocab_size:
         text_bytes = sum(len(text.encode("utf-8")) for text in texts)
         warnings.warn(f"data.vocab_size={settings.vocab_size:,} is more than the {settings.tokenizer} tokenizer can "

@@ -38,7 +38,8 @@ A tokenizer file is one JSON object {"format": "jaxgpt-tokenizer", "version": 1,
 executes code.
 
 Modules: `base` (the interface, shared helpers), `char_word` (char and word), `bpe`
-(byte-level BPE, GPT-2's files), `pretokenize` (its split pattern), `tiktoken_engine` (the
+(byte-level BPE, GPT-2's files), `bpe_training` (its merges learned from counted pieces),
+`pretokenize` (its split pattern), `tiktoken_engine` (the
 byte-level BPE encoded by tiktoken, the same ids), `wordpiece` (WordPiece, "##"
 continuations), `unigram` (SentencePiece-style unigram language model); this one holds the
 registry of kinds.
@@ -60,6 +61,7 @@ from jaxgpt.tokenizers.base import (
     GPT2_END_OF_TEXT,
     PAD,
     UNK,
+    Counting,
     Tokenizer,
 )
 from jaxgpt.tokenizers.bpe import GPT2_SPLIT_PATTERN, BPETokenizer
@@ -79,6 +81,7 @@ __all__ = [
     "UNK",
     "BPETokenizer",
     "CharTokenizer",
+    "Counting",
     "Tokenizer",
     "UnigramTokenizer",
     "WordPieceTokenizer",
@@ -98,16 +101,22 @@ KINDS: dict[str, type[Tokenizer]] = {
 
 
 def train_tokenizer(
-    kind: str, texts: str | Iterable[str], vocab_size: int | None = None, **options: Any
+    kind: str, texts: str | Iterable[str], vocab_size: int | None = None, count: Counting | None = None,
+    **options: Any
 ) -> Tokenizer:
     """Train a tokenizer of `kind` ("char", "word", "bpe", "wordpiece" or "unigram") on a
     string or documents.
 
     `vocab_size` counts every id, specials included; None means every character or word
-    seen (char, word); bpe, wordpiece and unigram need one. `options` go to the kind's
-    `train` (bpe: `pattern`; unigram: `max_piece_length`).
+    seen (char, word); bpe, wordpiece and unigram need one. `count` counts the pieces of the
+    documents elsewhere, e.g. in worker processes (see `Counting`): the kinds that learn from
+    counted pieces (bpe) use it, the others count here. `options` go to the kind's `train`
+    (bpe: `pattern`; unigram: `max_piece_length`).
     """
-    return _kind_class(kind).train(texts, vocab_size=vocab_size, **options)
+    cls = _kind_class(kind)
+    if count is not None and cls.learns_from_counts:
+        options["count"] = count
+    return cls.train(texts, vocab_size=vocab_size, **options)
 
 
 def from_dict(data: Any, source: str = "tokenizer data") -> Tokenizer:

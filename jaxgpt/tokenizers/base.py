@@ -11,8 +11,8 @@ import abc
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Protocol
 
 from jaxgpt.files import write_atomically
 
@@ -23,10 +23,27 @@ FILE_FORMAT = "jaxgpt-tokenizer"
 FILE_VERSION = 1
 
 
+
+class Tally(Protocol):
+    """What a kind that learns from counted pieces counts: `add` counts a document's pieces, and
+    `result` gives what was counted, in a form that crosses to another process cheaply."""
+
+    def add(self, document: str) -> None: ...
+
+    def result(self) -> Any: ...
+
+
+# count(tally, documents) → the results of copies of the empty `tally` that together added every
+# document once (one copy per process that counted): how a kind that learns from counted pieces
+# has them counted (here by `count_here`, or spread over processes by the caller).
+Counting = Callable[[Tally, Iterable[str]], list]
+
+
 class Tokenizer(abc.ABC):
     """T: text → Seq(V). Subclasses provide the ordinary-text encoding and the decoding."""
 
     kind: ClassVar[str]
+    learns_from_counts: ClassVar[bool] = False  # its train(…, count=) takes a Counting
 
     def __init__(self, special_tokens: Mapping[str, int]):
         if not all(isinstance(name, str) and name for name in special_tokens):
@@ -197,6 +214,13 @@ def _documents(texts: str | Iterable[str]) -> Iterable[str]:
         if not isinstance(document, str):
             raise TypeError(f"training documents must be str, got {type(document).__name__}")
         yield document
+
+
+def count_here(tally: Tally, documents: Iterable[str]) -> list:
+    """`tally`'s result once it has added every document, in this process (a Counting)."""
+    for document in documents:
+        tally.add(document)
+    return [tally.result()]
 
 
 def _check_vocab_size(vocab_size: Any, minimum: int, base: str) -> None:

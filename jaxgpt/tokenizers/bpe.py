@@ -12,7 +12,6 @@ import heapq
 import json
 import os
 import re
-from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,16 @@ from jaxgpt.tokenizers.base import (
     BOS,
     EOS,
     PAD,
+    Counting,
     Tokenizer,
     _check_ids_dense,
     _check_vocab_size,
     _documents,
     _field,
     _utf8,
+    count_here,
 )
+from jaxgpt.tokenizers.bpe_training import PieceTally, Words, learn_merges
 from jaxgpt.tokenizers.pretokenize import GPT2_SPLIT_PATTERN, compile_split_pattern, split
 
 _ENCODE_CACHE_LIMIT = 1 << 18  # pieces; the cache starts over when full
@@ -58,6 +60,7 @@ class BPETokenizer(Tokenizer):
     """
 
     kind = "bpe"
+    learns_from_counts = True
     SPECIALS = (BOS, EOS, PAD)
 
     def __init__(
@@ -112,25 +115,25 @@ class BPETokenizer(Tokenizer):
         texts: str | Iterable[str],
         vocab_size: int | None = None,
         pattern: str = GPT2_SPLIT_PATTERN,
+        count: Counting = count_here,
     ) -> BPETokenizer:
         """Learn merges until `vocab_size` ids (bytes + merges + 3 specials) are used.
 
         Each step fuses the adjacent pair with the highest count in the training text; a
         tie goes to the smallest pair of ids. Training stops early if no pair is left.
+        `count` counts the pieces of the documents (a jaxgpt.tokenizers.base.Counting):
+        here by default, or spread over processes by the caller; the merges are the same.
         """
         base = 256 + len(cls.SPECIALS)
         if vocab_size is None:
             raise ValueError(f"byte-level BPE needs a vocab_size (e.g. 4096; at least {base}: "
                              f"256 bytes + {len(cls.SPECIALS)} special tokens)")
         _check_vocab_size(vocab_size, base, f"256 bytes + {len(cls.SPECIALS)} special tokens")
-        splitter = compile_split_pattern(pattern)
-        piece_counts: Counter[str] = Counter()
-        for document in _documents(texts):
-            piece_counts.update(split(splitter, document))
-        word_counts = {_utf8(piece): n for piece, n in piece_counts.items() if piece}
-        if not word_counts:
+        compile_split_pattern(pattern)  # a bad pattern is refused before any counting
+        words = Words.joined(count(PieceTally(pattern), _documents(texts)))
+        if not len(words):
             raise ValueError("cannot train a byte-level BPE tokenizer on empty text")
-        tokens, merges = _learn_merges(word_counts, vocab_size - len(cls.SPECIALS))
+        tokens, merges = learn_merges(words, vocab_size - len(cls.SPECIALS))
         vocab = {token: i for i, token in enumerate(tokens)}
         specials = {name: len(tokens) + k for k, name in enumerate(cls.SPECIALS)}
         return cls(vocab, [(tokens[a], tokens[b]) for a, b in merges], specials, pattern)
@@ -323,109 +326,6 @@ class BPETokenizer(Tokenizer):
         directory.mkdir(parents=True, exist_ok=True)
         write_atomically(directory / "vocab.json", json.dumps(printable_vocab, ensure_ascii=False) + "\n")
         write_atomically(directory / "merges.txt", "\n".join(["#version: 0.2", *merges]) + "\n")
-
-
-def _learn_merges(
-    word_counts: Mapping[bytes, int], max_tokens: int
-) -> tuple[list[bytes], list[tuple[int, int]]]:
-    """Byte-pair merges of the words, weighted by their counts, until `max_tokens` tokens.
-
-    Returns the tokens (id → bytes; ids 0..255 are the bytes) and the merges as id pairs.
-    Each step fuses the pair with the highest count, the smallest (left id, right id) on a
-    tie. Rather than recounting the corpus at each step, pair counts are kept up to date
-    around each merge: only the words that hold the merged pair change. The best pair comes
-    from a lazy max-heap whose entries may overstate a count; an entry is trusted only if it
-    matches the current count, and re-pushed with the current count otherwise.
-    """
-    words = [list(word) for word in word_counts if len(word) > 1]
-    counts = [word_counts[word] for word in word_counts if len(word) > 1]
-    pair_counts, words_with = _count_pairs(words, counts)
-    heap = [(-count, pair) for pair, count in pair_counts.items()]
-    heapq.heapify(heap)
-
-    tokens = [bytes([b]) for b in range(256)]
-    token_id = {token: i for i, token in enumerate(tokens)}
-    merges: list[tuple[int, int]] = []
-    while len(tokens) < max_tokens and heap:
-        negative_count, pair = heapq.heappop(heap)
-        count = pair_counts.get(pair, 0)
-        if count != -negative_count:
-            if count > 0:
-                heapq.heappush(heap, (-count, pair))
-            continue
-        left, right = pair
-        merged_bytes = tokens[left] + tokens[right]
-        # Another merge may already have produced these bytes; one id per byte string.
-        new = token_id.get(merged_bytes)
-        if new is None:
-            new = token_id[merged_bytes] = len(tokens)
-            tokens.append(merged_bytes)
-        merges.append(pair)
-        grown = _fuse_in_words(words, counts, pair, new, pair_counts, words_with)
-        del pair_counts[pair]  # now 0: every occurrence was fused
-        # Only pairs with the new token can have grown; all others only shrank, so their
-        # heap entries still overstate (never understate) their counts.
-        for p in grown:
-            heapq.heappush(heap, (-pair_counts[p], p))
-    return tokens, merges
-
-
-def _count_pairs(
-    words: list[list[int]], counts: list[int]
-) -> tuple[defaultdict[tuple[int, int], int], defaultdict[tuple[int, int], set[int]]]:
-    """Each adjacent pair's count over the words (weighted by `counts`), and the words that
-    hold it, by index."""
-    pair_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
-    # Words that hold each pair; a word may stay listed after losing the pair (harmless).
-    words_with: defaultdict[tuple[int, int], set[int]] = defaultdict(set)
-    for w, (word, count) in enumerate(zip(words, counts, strict=True)):
-        for pair in zip(word, word[1:], strict=False):
-            pair_counts[pair] += count
-            words_with[pair].add(w)
-    return pair_counts, words_with
-
-
-def _fuse_in_words(
-    words: list[list[int]],
-    counts: list[int],
-    pair: tuple[int, int],
-    new: int,
-    pair_counts: defaultdict[tuple[int, int], int],
-    words_with: defaultdict[tuple[int, int], set[int]],
-) -> set[tuple[int, int]]:
-    """Fuse `pair` into `new` in every word that holds it, updating `words`, `pair_counts`
-    and `words_with` in place; returns the pairs with `new` whose counts grew."""
-    left, right = pair
-    grown: set[tuple[int, int]] = set()
-    for w in words_with.pop(pair):
-        old_word = words[w]
-        new_word = merge_pair(old_word, left, right, new)
-        if new_word is None:
-            continue
-        count = counts[w]
-        for p in zip(old_word, old_word[1:], strict=False):
-            pair_counts[p] -= count
-        for p in zip(new_word, new_word[1:], strict=False):
-            pair_counts[p] += count
-            if new in p:
-                words_with[p].add(w)
-                grown.add(p)
-        words[w] = new_word
-    return grown
-
-
-def merge_pair(word: list[int], left: int, right: int, new: int) -> list[int] | None:
-    """`word` with each (left, right), scanned left to right, fused into `new`; None if absent."""
-    out: list[int] = []
-    i, n = 0, len(word)
-    while i < n:
-        if word[i] == left and i + 1 < n and word[i + 1] == right:
-            out.append(new)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return out if len(out) < n else None
 
 
 # --- GPT-2's printable form of bytes --------------------------------------------------

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt.tokenizers.base import BOS, EOS, PAD, UNK, Tokenizer, _check_vocab_size, _documents, _field
-from jaxgpt.tokenizers.bpe import merge_pair
+from jaxgpt.tokenizers.bpe_training import merge_pair
 
 _PRE_TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
 _WORD_START = re.compile(r"\w")
