@@ -55,7 +55,8 @@ def jaxgpt_run(text: Path, run_dir: Path, cache: Path, sample: bool, log_compile
     seconds = time.perf_counter() - start
     if out.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{out.stderr[-3000:]}")
-    STDERR.setdefault(python, []).extend(line for line in out.stderr.splitlines() if NOISE.search(line))
+    if not log_compiles:
+        STDERR.setdefault(python, []).extend(line for line in out.stderr.splitlines() if NOISE.search(line))
     return seconds, COMPILED.findall(out.stderr)
 
 
@@ -67,6 +68,7 @@ def compared(text: Path, run_dir: Path, cache: Path, other: str, repeat: int) ->
     """Rows of warm runs alternating between this Python and `other`."""
     ours, theirs = [], []
     jaxgpt_run(text, run_dir, cache, sample=False, python=other)  # its own untimed first run
+    STDERR.clear()  # the noise of the alternated runs alone
     for _ in range(repeat):
         ours.append(jaxgpt_run(text, run_dir, cache, sample=False)[0])
         theirs.append(jaxgpt_run(text, run_dir, cache, sample=False, python=other)[0])
