@@ -71,8 +71,9 @@ ACTIVATIONS_FROM_HF = {
     "gelu_fast": "gelu",
     "gelu": "gelu_exact",
     "relu": "relu",
+    "relu2": "relu2",
 }
-ACTIVATIONS_TO_HF = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
+ACTIVATIONS_TO_HF = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu", "relu2": "relu2"}
 
 # GPT2Config's defaults, which transformers uses for keys a config.json leaves out.
 HF_DEFAULTS = {
@@ -194,6 +195,8 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
          or cfg.ffn_layers > 1, "n_kv_head, head_dim, logits_bias, ffn_layers: GPT-2 has only the defaults"),
         (cfg.attention != "softmax", f"attention={cfg.attention!r}: GPT-2's attention is softmax over every "
                                      "earlier position ('softmax')"),
+        (cfg.qk_norm, "qk_norm=True: GPT-2 scores raw queries and keys"),
+        (cfg.logit_softcap is not None, f"logit_softcap={cfg.logit_softcap!r}: GPT-2's logits are not capped"),
         (cfg.activation not in ACTIVATIONS_TO_HF, f"activation={cfg.activation!r}: GPT-2's FFN uses one of "
                                                  f"{', '.join(ACTIVATIONS_TO_HF)}"),
     ]

@@ -54,7 +54,8 @@ def embedding_std(cfg: GPTConfig) -> float:
 class Linear(nn.Module):
     """y = x W + b, with W of shape (input dims…, output dims…) as Flax's DenseGeneral has it;
     the input dims are the last `n_in` axes of x. Computed as one 2-D matmul (ops.linear).
-    W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual).
+    W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual), or is zero at first with
+    `zero_init` (cfg.zero_init_out's projections).
 
     With compute.weights="int8" W is read as kernel_q (output dims…, input dims…) int8 and
     kernel_scale (output dims…): W ≈ dequantize(kernel_q, kernel_scale)ᵀ (ops.int8_linear);
@@ -66,6 +67,7 @@ class Linear(nn.Module):
     n_in: int = 1
     use_bias: bool = True
     residual: bool = False  # writes into the residual stream
+    zero_init: bool = False  # W starts at zero
 
     @nn.compact
     def __call__(self, x):
@@ -80,7 +82,8 @@ class Linear(nn.Module):
             y = ops.int8_linear(rows, q.reshape(scale.size, -1), scale.reshape(-1)).reshape(*batch, *out_shape)
         else:
             std = kernel_std(cfg, math.prod(in_shape), self.residual)
-            kernel = self.param("kernel", normal(std), (*in_shape, *out_shape), param_dtype)
+            init = nn.initializers.zeros if self.zero_init else normal(std)
+            kernel = self.param("kernel", init, (*in_shape, *out_shape), param_dtype)
             w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(dtype)
             y = ops.linear(x2, w2).reshape(*batch, *out_shape)
         if self.use_bias:
@@ -157,7 +160,9 @@ class CausalSelfAttention(nn.Module):
     """MHA(X) = concat_h(softmax(Q_h K_{g(h)}ᵀ/√d_k + M) V_{g(h)}) W_O, with Q, K, V = X W_Q, X W_K, X W_V.
 
     Q has n_head heads of size D = head_dim, K and V n_kv_head, each shared by n_head/n_kv_head
-    query heads: g(h) = ⌊h·n_kv_head/n_head⌋ (g(h) = h for multi-head attention). The form
+    query heads: g(h) = ⌊h·n_kv_head/n_head⌋ (g(h) = h for multi-head attention). With qk_norm,
+    each head's q and k are RMS-normalised over D (gains q_norm/scale, k_norm/scale of size D,
+    shared by the heads) before the positions rotate them. The form
     (cfg.attention: softmax, linear, local) and the kernel that computes it (compute.kernel)
     come from jaxgpt.attention. Params: with n_kv_head = n_head, c_attn/kernel (d, 3, H, D)
     (GPT-2's layout); otherwise q_proj/kernel (d, H, D) and kv_proj/kernel (d, 2, H_kv, D).
@@ -182,6 +187,8 @@ class CausalSelfAttention(nn.Module):
         cfg = self.cfg
         scheme = SCHEMES[cfg.positions]
         q, k, v = self.project(x)
+        if cfg.qk_norm:
+            q, k = RMSNorm(cfg, self.compute, name="q_norm")(q), RMSNorm(cfg, self.compute, name="k_norm")(k)
         q, k = scheme.rotate(cfg, q, k, where.q_positions)
 
         def on_weights(weights, whole: bool):
@@ -192,7 +199,8 @@ class CausalSelfAttention(nn.Module):
         context, layer_cache = FORMS[cfg.attention].attend(
             cfg, KERNELS[self.compute.on(jax.default_backend()).kernel], q, k, v, where, layer_cache,
             lambda w: scheme.bias(cfg, w), on_weights)
-        out = Linear((cfg.d_model,), cfg, self.compute, n_in=2, use_bias=cfg.bias, residual=True, name="c_proj")
+        out = Linear((cfg.d_model,), cfg, self.compute, n_in=2, use_bias=cfg.bias, residual=True,
+                     zero_init=cfg.zero_init_out, name="c_proj")
         return out(context), layer_cache
 
 
@@ -214,7 +222,8 @@ class MLP(nn.Module):
         h = drop(act(Linear((width,), cfg, compute, use_bias=cfg.bias, name="c_fc")(x)), deterministic)
         for i in range(2, cfg.ffn_layers + 1):
             h = drop(act(Linear((cfg.d_ff,), cfg, compute, use_bias=cfg.bias, name=f"c_fc_{i}")(h)), deterministic)
-        return Linear((cfg.d_model,), cfg, compute, use_bias=cfg.bias, residual=True, name="c_proj")(h)
+        return Linear((cfg.d_model,), cfg, compute, use_bias=cfg.bias, residual=True, zero_init=cfg.zero_init_out,
+                      name="c_proj")(h)
 
 
 class Block(nn.Module):
@@ -259,7 +268,8 @@ def locate(tokens, cache, positions=None, segments=None):
 
 
 class GPT(nn.Module):
-    """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U (+ b_U with logits_bias).
+    """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U (+ b_U with logits_bias), soft-capped
+    to c·tanh(logits/c) with logit_softcap = c.
 
     positions (B, T): each token's position, default 0…T−1 (with a cache: cache.index …
     cache.index+T−1). segments (B, T): with several examples packed in a row, the example
@@ -298,10 +308,14 @@ class GPT(nn.Module):
             logits = (wte.attend(x) if compute.weights == "int8"
                       else ops.linear(x.astype(dtypes[0]), wte.embedding.T.astype(dtypes[0])))
         else:
-            logits = Linear((cfg.vocab_size,), cfg, compute, use_bias=False, name="lm_head")(x)
+            logits = Linear((cfg.vocab_size,), cfg, compute, use_bias=False, zero_init=cfg.zero_init_out,
+                            name="lm_head")(x)
         if cfg.logits_bias:  # b_U
             logits = logits + self.param("logits_bias", nn.initializers.zeros, (cfg.vocab_size,), dtypes[1])
-        logits = rows_split(logits.astype(jnp.float32))
+        logits = logits.astype(jnp.float32)
+        if cfg.logit_softcap is not None:  # c·tanh(z/c)
+            logits = ops.softcap(logits, cfg.logit_softcap)
+        logits = rows_split(logits)
         if cache is None:
             return logits
         return logits, cache.with_layers(new_layers, tokens.shape[-1])

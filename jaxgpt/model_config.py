@@ -20,12 +20,12 @@ from jaxgpt import ops
 from jaxgpt.attention import FORMS
 from jaxgpt.attention.kernels import AUTO, for_platform
 from jaxgpt.attention.kernels import KERNELS as KERNEL_FUNCTIONS
-from jaxgpt.errors import is_int
+from jaxgpt.errors import is_int, is_number
 from jaxgpt.positions import SCHEMES
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_exact", "relu", "swiglu", "geglu", "silu", "glu")
+ACTIVATIONS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu", "geglu", "silu", "glu")
 GATED = ("swiglu", "geglu", "glu")
 INITS = ("gpt2", "he", "small")
 # The registries are the lists of valid names: positions (jaxgpt.positions.SCHEMES), attention
@@ -72,6 +72,9 @@ class GPTConfig:
     init: str = "gpt2"  # "gpt2" | "he" | "small": the weights' initial distributions (model.kernel_std)
     linear_feature: str = "elu+1"  # φ of attention="linear": "elu+1" | "relu"
     window: int | None = None  # attention="local": a query sees itself and the window−1 positions before it
+    qk_norm: bool = False  # RMSNorm of each head's query and key (learned gains of size D), before the positions
+    logit_softcap: float | None = None  # c: logits c·tanh(z/c), never beyond ±c; None: plain logits
+    zero_init_out: bool = False  # the projections into the residual stream (c_proj) and lm_head start at zero
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -129,13 +132,17 @@ class GPTConfig:
             ("linear_feature", ops.FEATURE_MAPS),
         ):
             _check_choice("GPTConfig", name, getattr(self, name), valid)
-        for name in ("parallel_block", "bias", "tie_embeddings", "logits_bias"):
+        for name in ("parallel_block", "bias", "tie_embeddings", "logits_bias", "qk_norm", "zero_init_out"):
             _check_bool("GPTConfig", name, getattr(self, name))
         for name in ("dropout", "ffn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: must be in [0, 1)")
         if not self.norm_eps > 0:
             raise ValueError(f"GPTConfig.norm_eps={self.norm_eps!r}: must be positive")
+        cap = self.logit_softcap
+        if cap is not None and not (is_number(cap) and 0 < cap < float("inf")):
+            raise ValueError(f"GPTConfig.logit_softcap={cap!r}: must be None (plain logits) or a positive number, "
+                             f"the cap c of c·tanh(z/c) (15 or 30 are usual)")
         self._check_variants()
         if self.parallel_block and self.norm_position == "post":
             raise ValueError(

@@ -210,6 +210,11 @@ def relu(x):
     return jax.nn.relu(x)
 
 
+def relu_squared(x):
+    """ReLU²(x) = max(0, x)²."""
+    return jnp.square(jax.nn.relu(x))
+
+
 def silu(x):
     """SiLU (Swish, β = 1): silu(x) = x σ(x), σ(x) = 1/(1 + e^(−x))."""
     return jax.nn.silu(x)
@@ -233,8 +238,8 @@ def glu(x):
     return jax.nn.sigmoid(a) * b
 
 
-ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "relu": relu, "silu": silu, "swiglu": swiglu,
-               "geglu": geglu, "glu": glu}
+ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "relu": relu, "relu2": relu_squared, "silu": silu,
+               "swiglu": swiglu, "geglu": geglu, "glu": glu}
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "glu"})
 
 # --- positions ---------------------------------------------------------------------------
@@ -301,6 +306,14 @@ def dropout(x, rate, key):
         return x
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+# --- logits ------------------------------------------------------------------------------
+
+
+def softcap(logits, cap):
+    """Soft-capped logits c·tanh(z/c): close to z where |z| ≪ c, never beyond ±c."""
+    return cap * jnp.tanh(logits / cap)
 
 
 # --- loss ---------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def activation(name, h):
         "gelu": lambda: gelu_tanh(h),
         "gelu_exact": lambda: gelu_exact(h),
         "relu": lambda: np.maximum(h, 0),
+        "relu2": lambda: np.maximum(h, 0) ** 2,
         "silu": lambda: silu(h),
         "swiglu": lambda: silu(a) * b,
         "geglu": lambda: gelu_tanh(a) * b,
@@ -147,6 +148,8 @@ def gpt_forward(cfg, params, tokens):
 
     def mha(x, q):
         qh, kh, vh = project(x, q)
+        if cfg.qk_norm:  # each head's q and k over its D values
+            qh, kh = rms_norm(qh, q["q_norm"]["scale"], cfg.norm_eps), rms_norm(kh, q["k_norm"]["scale"], cfg.norm_eps)
         if cfg.positions == "rope":
             qh, kh = rope(qh, positions, cfg.rope_base), rope(kh, positions, cfg.rope_base)
         mask = np.tril(np.ones((T, T), bool))
@@ -188,7 +191,11 @@ def gpt_forward(cfg, params, tokens):
             x = norm(y + ffn(y, q["mlp"]), q["ln_2"])
     x = norm(x, p["ln_f"])
     W_U = E.T if cfg.tie_embeddings else p["lm_head"]["kernel"]
-    return x @ W_U + p["logits_bias"] if cfg.logits_bias else x @ W_U
+    logits = x @ W_U + p["logits_bias"] if cfg.logits_bias else x @ W_U
+    if cfg.logit_softcap is not None:
+        c = cfg.logit_softcap
+        logits = c * np.tanh(logits / c)
+    return logits
 
 
 def _to_float64(tree):

@@ -63,7 +63,8 @@ def gpt2_forward_from_files(directory, tokens):
                for name, value in load_file(Path(directory) / "model.safetensors").items()}
     B, T = tokens.shape
     d, H, eps = hf["n_embd"], hf["n_head"], hf["layer_norm_epsilon"]
-    act = {"gelu_new": ref.gelu_tanh, "gelu": ref.gelu_exact, "relu": lambda h: np.maximum(h, 0)}
+    act = {"gelu_new": ref.gelu_tanh, "gelu": ref.gelu_exact, "relu": lambda h: np.maximum(h, 0),
+           "relu2": lambda h: np.maximum(h, 0) ** 2}
     act = act[hf["activation_function"]]
     causal = np.tril(np.ones((T, T), bool))
     x = tensors["wte.weight"][tokens] + tensors["wpe.weight"][:T]
@@ -98,6 +99,7 @@ SAVABLE = {
     "tied, tanh gelu": {},
     "untied, exact gelu": dict(tie_embeddings=False, activation="gelu_exact"),
     "relu, d_ff = 4 d": dict(activation="relu", d_ff=None),
+    "relu², untied": dict(activation="relu2", tie_embeddings=False),
 }
 
 
@@ -172,6 +174,8 @@ SAVE_REFUSED = {
     "swiglu": (dict(activation="swiglu"), "activation='swiglu'"),
     "gqa": (dict(n_kv_head=1), "n_kv_head, head_dim, logits_bias, ffn_layers"),
     "logits bias": (dict(logits_bias=True), "n_kv_head, head_dim, logits_bias, ffn_layers"),
+    "qk-norm": (dict(qk_norm=True), "qk_norm=True"),
+    "soft-capped logits": (dict(logit_softcap=30.0), "logit_softcap=30.0"),
 }
 
 

@@ -11,6 +11,10 @@ import reference as ref
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache, param_count
 
 POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "none"]
+# configs/speedrun_*.py's model switches together: QK-norm, ReLU², soft-capped logits, zero-initialised
+# output projections and an untied unembedding, on RoPE and RMSNorm without biases
+RECIPE = {"qk_norm": True, "activation": "relu2", "logit_softcap": 3.0, "zero_init_out": True,
+          "tie_embeddings": False, "positions": "rope", "norm": "rmsnorm", "bias": False}
 VARIANTS = [
     {},
     *({"positions": p} for p in POSITIONS[1:]),
@@ -39,6 +43,12 @@ VARIANTS = [
     {"attention": "linear", "positions": "none", "head_dim": 6},
     {"attention": "local", "window": 3},
     {"attention": "local", "window": 4, "positions": "rope", "n_head": 4, "n_kv_head": 2},
+    # the modern recipe's switches, alone and together
+    {"qk_norm": True},
+    {"qk_norm": True, "positions": "rope", "n_head": 4, "n_kv_head": 2},
+    {"activation": "relu2"},
+    {"logit_softcap": 2.0},
+    RECIPE,
 ]
 
 

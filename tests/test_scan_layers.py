@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_model import decode_step_by_step, forward, random_params, tiny, tokens
+from test_model import RECIPE, decode_step_by_step, forward, random_params, tiny, tokens
 from test_run import corpus  # noqa: F401, F811  (the fixture)
 
 from jaxgpt import GPT, ComputeConfig, ops
@@ -19,6 +19,7 @@ CASES = [  # 2 and 3 layers, every positions option, linear and local attention,
     {"positions": "rope", "n_layer": 2, "attention": "local", "window": 3},
     {"positions": "alibi", "n_layer": 3},
     {"positions": "none", "n_layer": 3, "attention": "linear"},
+    {**RECIPE, "n_layer": 2},
 ]
 SCAN = ComputeConfig(scan_layers=True)
 

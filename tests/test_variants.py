@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
-from test_model import decode_step_by_step, forward, init_params, random_params, tiny, tokens
+from test_model import RECIPE, decode_step_by_step, forward, init_params, random_params, tiny, tokens
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache
 from jaxgpt.sharding import leaf_spec
@@ -31,6 +31,7 @@ CACHED = [
     {"activation": "glu"},
     {"attention": "linear"},
     {"attention": "linear", "positions": "rope", "linear_feature": "relu", "n_head": 4, "n_kv_head": 2},
+    {**RECIPE, "n_head": 4, "n_kv_head": 2},
 ]
 
 

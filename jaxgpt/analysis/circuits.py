@@ -37,6 +37,9 @@ def head_matrices(params, cfg: GPTConfig, layer: int) -> tuple[np.ndarray, np.nd
     if cfg.attention == "linear":
         raise ValueError("circuits read softmax attention's bilinear score qᵀk; attention='linear' scores "
                          "φ(q)ᵀφ(k), which W_QK does not describe: analyse a model with softmax attention")
+    if cfg.qk_norm:
+        raise ValueError("circuits read the bilinear score qᵀk = x W_QK yᵀ; with qk_norm=True q and k are "
+                         "normalised first, so W_QK does not describe the score: analyse a model without qk_norm")
     if "c_attn" not in attn:
         raise ValueError("circuits read per-head W_Q, W_K, W_V from c_attn: a model with n_kv_head < n_head (grouped-"
                          "query attention) has none; analyse a model with n_kv_head == n_head")
