@@ -12,9 +12,18 @@ block) is reported and left out. Run the same command again and it resumes: a ce
 the same config (OUT/cells.json records each cell's) is skipped, any other is trained (an
 interrupted one resumes from its last checkpoint, one that holds another model is refused).
 
+An ablation instead of a grid: `--ablate NAME:KEY=VALUE[,KEY=VALUE…]` (repeated) trains the config
+as it is (the cell `all`) and, for each ablation, the config with those keys changed (the cell
+NAME): each element of a recipe removed in turn.
+
+    python -m jaxgpt.sweep --config=configs/speedrun_cpu.py --ablate no_qk_norm:model.qk_norm=False \
+        --ablate adamw:train.optimizer=adamw,train.lr=3e-3 --seeds 0,1 --target_loss 1.9 --out runs/ablation
+
 OUT/summary.csv has one row per cell trained as asked (final and best validation loss, bits per
-byte, tokens/s, parameters); OUT/summary.md the same per setting as mean ± std over the seeds,
-and the cells left out with why; OUT/val_loss.png every such cell's validation loss against step.
+byte, tokens/s, parameters; with --target_loss, the step and the training seconds at the first
+evaluation at or below it: compile included, evaluations and checkpoints not); OUT/summary.md the
+same per setting as mean ± std over the seeds, and the cells left out with why; OUT/val_loss.png
+every such cell's validation loss against step.
 The sweep exits 1 when a cell failed, 2 when nothing could be trained.
 """
 
@@ -40,7 +49,9 @@ from jaxgpt.files import unwritable, writable_directory, write_json
 from jaxgpt.model import param_count
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
-COLUMNS = ("cell", "seed", "final_val_loss", "best_val_loss", "val_bpb", "tokens_per_sec", "params", "steps")
+COLUMNS = ("cell", "seed", "final_val_loss", "best_val_loss", "val_bpb", "tokens_per_sec", "params", "steps",
+           "steps_to_target", "seconds_to_target")
+BASELINE = "all"  # an ablation's cell with nothing removed
 RECORD_FILE = "cells.json"  # each finished cell's config as asked: a rerun skips it only when that is unchanged
 SET_BY_THE_SWEEP = {"train.seed": "--seeds", "run_dir": "--out"}
 RUN_ERRORS = (ValueError, OSError, run.TrainingError, CheckpointError)
@@ -68,8 +79,12 @@ class Cell:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m jaxgpt.sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,…",
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
                         help="a config key and its values (repeat for more keys: their product is swept)")
+    parser.add_argument("--ablate", action="append", default=[], metavar="NAME:KEY=V[,KEY=V…]",
+                        help="instead of --grid: the config as it is, and one cell per --ablate with its keys changed")
+    parser.add_argument("--target_loss", type=float, default=None,
+                        help="report the step and training seconds at which each cell first reaches this val loss")
     parser.add_argument("--seeds", default="0", help="train.seed values, comma-separated (default 0)")
     parser.add_argument("--out", required=True, help="the sweep's directory: one run directory per cell")
     return parser.parse_known_args(argv)
@@ -94,6 +109,27 @@ def grid_of(specs: list[str], config_argv: list[str] = ()) -> dict[str, list[str
     return grid
 
 
+def ablations_of(specs: list[str], config_argv: list[str] = ()) -> dict[str, dict[str, str]]:
+    """{name: {key: value}} of the --ablate flags, led by the baseline (BASELINE: nothing changed)."""
+    ablations = {BASELINE: {}}
+    for spec in specs:
+        name, _, settings = spec.partition(":")
+        pairs = [item.partition("=") for item in settings.split(",")]
+        if not re.fullmatch(r"[\w.+-]+", name) or not all(key and sep and value for key, sep, value in pairs):
+            raise ConfigError(f"--ablate {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE…] "
+                              "(e.g. no_qk_norm:model.qk_norm=False)")
+        if name in ablations:
+            raise ConfigError(f"--ablate {name}: the name is taken{' by the baseline' if name == BASELINE else ''}; "
+                              "give each ablation its own name")
+        setting = {key: value for key, _, value in pairs}
+        taken = [key for key in setting if key in SET_BY_THE_SWEEP or key in overridden_keys(list(config_argv))]
+        if taken:
+            raise ConfigError(f"--ablate {name} changes {taken[0]}, which the sweep or the command line sets: "
+                              "set it in one place")
+        ablations[name] = setting
+    return ablations
+
+
 def seeds_of(text: str) -> list[int]:
     try:
         seeds = [int(seed) for seed in text.split(",")]
@@ -112,12 +148,14 @@ def _distinct(values: list, where: str) -> list:
     return values
 
 
-def cells(grid: dict[str, list[str]], seeds: list[int]) -> list[Cell]:
-    """Every cell of the grid × seeds, each with a directory name of its own."""
+def cells(grid: dict[str, list[str]], seeds: list[int], ablations: dict[str, dict[str, str]] | None = None
+          ) -> list[Cell]:
+    """Every cell of the grid × seeds (or of the ablations × seeds), each with a directory name of its own."""
     out = []
-    for values in itertools.product(*grid.values()):
-        setting = dict(zip(grid, values, strict=True))
-        name = ",".join(f"{key.split('.')[-1]}={value}" for key, value in setting.items())
+    named = ablations or {",".join(f"{key.split('.')[-1]}={value}" for key, value in setting.items()): setting
+                          for setting in (dict(zip(grid, values, strict=True))
+                                          for values in itertools.product(*grid.values()))}
+    for name, setting in named.items():
         out.extend(Cell(re.sub(r"[^\w.,=+-]+", "_", f"{name},seed={seed}"), setting, seed) for seed in seeds)
     names = [cell.name for cell in out]
     clash = next((name for name in names if names.count(name) > 1), None)
@@ -253,7 +291,21 @@ def train_cells(plan: list[Cell], out: Path, config_argv: list[str]) -> bool:
 # --- the summary ----------------------------------------------------------------------------
 
 
-def summarize(out: Path, plan: list[Cell]) -> tuple[list[dict], dict[str, list[tuple[int, float]]]]:
+def to_target(records: list[dict], target: float | None) -> tuple[int | None, float | None]:
+    """(step, training seconds) at the first evaluation at or below `target`: the seconds of the
+    log intervals up to it (each interval's tokens / its tokens/s: compile included, evaluations
+    and checkpoints not); (None, None) when none is, or there is no target."""
+    seconds, tokens = 0.0, 0
+    for r in records:
+        seconds += (r["tokens_seen"] - tokens) / max(r["tokens_per_sec"], 1e-9)
+        tokens = r["tokens_seen"]
+        if target is not None and r.get("val_loss") is not None and r["val_loss"] <= target:
+            return r["step"], seconds
+    return None, None
+
+
+def summarize(out: Path, plan: list[Cell], target: float | None = None
+              ) -> tuple[list[dict], dict[str, list[tuple[int, float]]]]:
     """A row per cell trained as asked in this sweep and evaluated, and its validation loss against step."""
     rows, curves = [], {}
     for cell in plan:
@@ -268,6 +320,7 @@ def summarize(out: Path, plan: list[Cell]) -> tuple[list[dict], dict[str, list[t
                      "best_val_loss": min(r["val_loss"] for r in evaluated), "val_bpb": evaluated[-1]["val_bpb"],
                      "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in records),
                      "params": param_count(GPTConfig.from_dict(model)), "steps": records[-1]["step"]})
+        rows[-1]["steps_to_target"], rows[-1]["seconds_to_target"] = to_target(records, target)
         curves[cell.name] = [(r["step"], r["val_loss"]) for r in evaluated]
     return rows, curves
 
@@ -277,16 +330,24 @@ def summary_table(rows: list[dict]) -> list[str]:
     settings: dict[str, list[dict]] = {}
     for row in rows:
         settings.setdefault(row["cell"].rsplit(",seed=", 1)[0], []).append(row)
-    lines = ["| setting | seeds | final val loss | best val loss | val bpb | tokens/s | params |",
-             "|---|---|---|---|---|---|---|"]
+    target = any(row["steps_to_target"] is not None for row in rows)
+    lines = ["| setting | seeds | final val loss | best val loss | val bpb | tokens/s | params |"
+             + (" steps to target | seconds to target |" if target else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if target else "")]
     for setting, group in settings.items():
-        def stat(key, fmt, group=group):
-            values = [r[key] for r in group]
+        def stat(key, fmt, rows=group):
+            values = [r[key] for r in rows]
             spread = f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else ""
             return f"{statistics.mean(values):{fmt}}{spread}"
 
-        lines.append(f"| {setting} | {len(group)} | {stat('final_val_loss', '.4f')} | {stat('best_val_loss', '.4f')} "
-                     f"| {stat('val_bpb', '.3f')} | {stat('tokens_per_sec', ',.0f')} | {group[0]['params']:,} |")
+        line = (f"| {setting} | {len(group)} | {stat('final_val_loss', '.4f')} | {stat('best_val_loss', '.4f')} "
+                f"| {stat('val_bpb', '.3f')} | {stat('tokens_per_sec', ',.0f')} | {group[0]['params']:,} |")
+        if target:
+            reached = [r for r in group if r["steps_to_target"] is not None]
+            line += (f" {stat('steps_to_target', '.0f', reached)} | {stat('seconds_to_target', '.1f', reached)} |"
+                     + (f" ({len(reached)} of {len(group)} seeds)" if len(reached) < len(group) else "")
+                     if reached else " not reached | not reached |")
+        lines.append(line)
     return lines
 
 
@@ -297,10 +358,10 @@ def left_out(plan: list[Cell]) -> list[str]:
     return ["", "Not in this table:", *lines] if lines else []
 
 
-def write_summary(out: Path, plan: list[Cell]) -> None:
+def write_summary(out: Path, plan: list[Cell], target: float | None = None) -> None:
     """summary.csv, summary.md and val_loss.png of the cells this sweep trained as asked (a
     picture left by an earlier sweep with no such cell is removed)."""
-    rows, curves = summarize(out, plan)
+    rows, curves = summarize(out, plan, target)
     with open(out / "summary.csv", "w", newline="") as file:
         writer = csv.DictWriter(file, COLUMNS)
         writer.writeheader()
@@ -318,7 +379,11 @@ def write_summary(out: Path, plan: list[Cell]) -> None:
 def sweep(args, config_argv: list[str]) -> list[Cell] | None:
     """Plan, check and train the sweep, then write its summary; None when a signal stopped it."""
     out = Path(args.out)
-    plan = cells(grid_of(args.grid, config_argv), seeds_of(args.seeds))
+    if bool(args.grid) == bool(args.ablate):
+        raise ConfigError("give --grid KEY=V1,V2,… (a product of settings) or --ablate NAME:KEY=V,… (each change "
+                          "alone against the config as it is), one of the two")
+    grid = grid_of(args.grid, config_argv) if args.grid else {}
+    plan = cells(grid, seeds_of(args.seeds), ablations_of(args.ablate, config_argv) if args.ablate else None)
     parse_cells(plan, config_argv, out)
     first = next((cell.config for cell in plan if cell.config is not None), None)
     if first is not None:
@@ -331,7 +396,7 @@ def sweep(args, config_argv: list[str]) -> list[Cell] | None:
     if not train_cells(plan, out, config_argv):
         return None
     try:
-        write_summary(out, plan)
+        write_summary(out, plan, args.target_loss)
     except OSError as error:
         raise unwritable(out, error, "choose another --out") from None
     return plan

@@ -4,12 +4,13 @@ finished with the same config and refuses those finished with another, and bad g
 in one line with nothing trained."""
 
 import csv
+import json
 import shutil
 
 import pytest
 from test_run import ROOT, write_corpus
 
-from jaxgpt.sweep import main
+from jaxgpt.sweep import main, to_target
 
 TINY = ["--config.model.n_layer=1", "--config.model.n_head=2", "--config.model.d_model=16",
         "--config.model.block_size=16", "--config.train.steps=2", "--config.train.eval_every=2",
@@ -104,6 +105,10 @@ def test_a_grid_value_init_from_would_replace_is_refused_before_any_cell_trains(
      "model.bias is both swept (--grid) and set (--config.model.bias=…): keep one of them"),
     (["--grid", "model.bias=False,True", "--seeds", "0,0"], "--seeds 0,0: 0 is listed twice"),
     (["--grid", "train.seed=1,2"], "--grid train.seed: the sweep sets train.seed itself; use --seeds"),
+    (["--ablate", "nobias"], "--ablate 'nobias': write NAME:KEY=VALUE[,KEY=VALUE…]"),
+    (["--ablate", "all:model.bias=False"], "--ablate all: the name is taken by the baseline"),
+    (["--ablate", "a:train.seed=3"], "--ablate a changes train.seed, which the sweep or the command line sets"),
+    (["--ablate", "a:model.bias=False", "--grid", "model.bias=False,True"], "give --grid KEY=V1,V2,… (a product"),
     (["--grid", "model.bias=False,True", "--out", "{file}"],
      "cannot write in {file} (a file, not a directory): choose another --out"),
 ])
@@ -115,3 +120,27 @@ def test_a_bad_grid_is_refused_in_one_line_with_nothing_trained(base, tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"jaxgpt.sweep: error: {message.format(file=tmp_path / 'file')}")
     assert not (tmp_path / "sweep").exists() and (tmp_path / "file").read_text() == "mine"
+
+
+def test_an_ablation_trains_the_config_and_each_change_alone_and_times_the_target(base, tmp_path):
+    out = tmp_path / "ablation"
+    assert main([*base, "--ablate", "post:model.norm_position=post", "--ablate",
+                 "rope:model.positions=rope,model.bias=False", "--target_loss", "100", "--out", str(out)]) == 0
+    rows = summary_rows(out)
+    assert [r["cell"] for r in rows] == ["all,seed=0", "post,seed=0", "rope,seed=0"]
+    models = {r["cell"]: json.loads((out / r["cell"] / "config.json").read_text())["model"] for r in rows}
+    baseline = models["all,seed=0"]
+    assert (baseline["norm_position"], baseline["positions"]) == ("pre", "learned")
+    assert models["post,seed=0"] == {**baseline, "norm_position": "post"}
+    assert models["rope,seed=0"] == {**baseline, "positions": "rope", "bias": False}
+    assert all(r["steps_to_target"] == "2" and float(r["seconds_to_target"]) > 0 for r in rows)  # every loss ≤ 100
+    assert "| all | 1 |" in (out / "summary.md").read_text()
+
+
+def test_time_to_target_adds_the_intervals_training_seconds_worked_example():
+    records = [{"step": 10, "tokens_seen": 100, "tokens_per_sec": 50.0},
+               {"step": 20, "tokens_seen": 200, "tokens_per_sec": 100.0, "val_loss": 2.6},
+               {"step": 30, "tokens_seen": 300, "tokens_per_sec": 25.0, "val_loss": 2.4}]
+    assert to_target(records, 2.5) == (30, 2.0 + 1.0 + 4.0)
+    assert to_target(records, 2.6) == (20, 3.0)
+    assert to_target(records, 1.0) == (None, None) and to_target(records, None) == (None, None)
