@@ -32,6 +32,15 @@ match after stripping surrounding whitespace, and a SQuAD-style token F1 over lo
 whitespace-separated words (jaxgpt.completions). A line "records: N held-out, exact match …"
 and then the JSON line go to stdout; each example's prompt, reference and prediction go to
 --predictions (default RUN_DIR/predictions.jsonl), one JSON object per line.
+
+Multiple choice (--choices FILE.jsonl): records {"context", "choices", "label"}, or HellaSwag's
+{"ctx", "endings", "label"}. Each choice is scored as the continuation " " + choice of the
+context, as the lm-evaluation-harness scores a multiple_choice task, and the harness's
+accuracies are reported: acc (the most likely choice), acc_norm (log-likelihood divided by the
+choice's length in characters) and acc_bytes (divided by its UTF-8 bytes). A line "choices: N
+items, acc …" and then the JSON line go to stdout; each item's label, predictions and
+log-likelihoods go to --predictions (default RUN_DIR/choices.jsonl). The work is done by
+jaxgpt.choices.
 """
 
 from __future__ import annotations
@@ -87,8 +96,10 @@ def parse_args(argv):
     parser.add_argument("--max_records", type=int, help="with --records: answer only the first N examples")
     parser.add_argument("--max_new_tokens", type=int, help="with --records: new tokens per answer at most (default: "
                                                            f"the longest reference + {RECORDS_MARGIN})")
-    parser.add_argument("--predictions", help="with --records: the JSONL file of prompts, references and "
-                                              "predictions (default RUN_DIR/predictions.jsonl)")
+    parser.add_argument("--predictions", help="with --records or --choices: the JSONL file of predictions (default "
+                                              "RUN_DIR/predictions.jsonl, or RUN_DIR/choices.jsonl)")
+    parser.add_argument("--choices", help="a JSONL file of multiple-choice items {context, choices, label} (or "
+                                          "HellaSwag's ctx, endings, label): report acc, acc_norm and acc_bytes")
     return parser.parse_args(argv)
 
 
@@ -97,6 +108,7 @@ def check_args(args) -> None:
     if args.bins < 1:
         raise ValueError(f"--bins must be a positive integer, got {args.bins}")
     check_calibration_out(args)
+    check_choices_args(args)
     check_records_args(args)
     for name in ("step", "stride", "block_size", "batch_size", "max_batches"):
         value = getattr(args, name)
@@ -108,7 +120,7 @@ def check_args(args) -> None:
     if not 0 <= args.max_unknown <= 1:
         raise ValueError(f"--max_unknown must be in [0, 1], got {args.max_unknown}")
     if args.hf_dir is not None:
-        if args.data is None:
+        if args.data is None and args.choices is None:
             raise ValueError("--hf_dir needs --data: the text to evaluate the model on")
         if args.step is not None:
             raise ValueError("--step chooses a run's checkpoint; a Hugging Face directory has one model: drop --step")
@@ -133,9 +145,26 @@ def check_calibration_out(args) -> None:
                                                   "elsewhere")
 
 
+def check_choices_args(args) -> None:
+    """--choices scores its own items: the flags of text and records evaluation do not apply."""
+    if args.choices is None:
+        return
+    given = ("data", "split", "val_fraction", "stride", "max_batches", "cache_dir")
+    clashing = [f"--{name}" for name in given if getattr(args, name) is not None]
+    clashing += [f"--{name}" for name in ("calibration", "records", "mask_unknown") if getattr(args, name)]
+    if clashing:
+        raise ValueError(f"--choices scores the items of its file: drop {', '.join(clashing)}")
+    if args.hf_dir is not None and args.predictions is None:
+        raise ValueError("--choices with --hf_dir needs --predictions FILE.jsonl: where to write each item's "
+                         "predictions")
+    if args.predictions is not None and not Path(args.predictions).resolve().parent.is_dir():
+        raise ValueError(f"--predictions {args.predictions}: the directory {Path(args.predictions).parent} does not "
+                         "exist; make it, or write the predictions elsewhere")
+
+
 def check_records_args(args) -> None:
     """--records and the flags that go with it."""
-    names = ("max_records", "max_new_tokens", "predictions")
+    names = ("max_records", "max_new_tokens") + (("predictions",) if args.choices is None else ())
     alone = [f"--{name}" for name in names if getattr(args, name) is not None]
     if not args.records:
         if alone:
@@ -204,6 +233,8 @@ def evaluate(args) -> dict:
     from jaxgpt import convert, data
     from jaxgpt.evaluation import evaluate_tokens
 
+    if args.choices is not None:
+        return evaluate_choices(args)
     params, config, tokenizer, saved = load_model(args)
     if args.block_size is not None:
         config, params = convert.crop_block_size(config, params, args.block_size)
@@ -276,6 +307,37 @@ def evaluate_records(args, params, config, tokenizer, corpus, saved: dict, split
             "tokens": loss["val_tokens"], "unknown_fraction": unknown_fraction,
             "unknown_masked": loss.get("val_ignored", 0), **summary, "predictions": str(path),
             "model": args.run_dir, "data": source, "split": split, "block_size": config.block_size}
+
+
+def evaluate_choices(args) -> dict:
+    """--choices: each item's choices scored (jaxgpt.choices), the summary line printed and the
+    predictions file written."""
+    from tqdm.auto import tqdm
+
+    from jaxgpt import choices, convert
+    from jaxgpt.files import write_atomically
+    from jaxgpt.model import GPT
+
+    items = choices.read_items(args.choices)  # a bad file is found before the model is loaded
+    params, config, tokenizer, _ = load_model(args)
+    if args.block_size is not None:
+        config, params = convert.crop_block_size(config, params, args.block_size)
+    with tqdm(unit="batch", desc="choices", file=sys.stderr, dynamic_ncols=True, mininterval=0.5) as bar:
+        def on_batch(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        scores, unknown = choices.score_items(GPT(config), params, tokenizer, items,
+                                              batch_size=args.batch_size or DEFAULT_BATCH_SIZE, on_batch=on_batch)
+    if unknown:
+        print(f"eval.py: warning: {unknown}", file=sys.stderr)
+    summary, rows = choices.accuracies(items, scores)
+    path = Path(args.predictions) if args.predictions is not None else Path(args.run_dir) / "choices.jsonl"
+    write_atomically(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    print(f"choices: {summary['items']} items, acc {summary['acc']:.1%}, acc_norm {summary['acc_norm']:.1%}, "
+          f"acc_bytes {summary['acc_bytes']:.1%} (predictions in {path})")
+    return {**summary, "predictions": str(path), "model": args.run_dir or args.hf_dir, "choices": args.choices,
+            "block_size": config.block_size}
 
 
 def records_loss(args, params, config, tokenizer, examples, data_section: dict, batch_size: int,

@@ -28,11 +28,11 @@ LAYERS = (
     ("cli",),
     ("optim", "data", "model"),
     ("training", "decoding", "convert", "quantize"),
-    ("evaluation", "sampling", "beam", "rundir"),
+    ("evaluation", "sampling", "beam", "rundir", "likelihood"),  # likelihood: scores of continuations and texts
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
-    ("run", "completions"),
+    ("run", "completions", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
     ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
-    ("analysis", "export", "sweep"),
+    ("analysis", "export", "sweep", "harness"),  # harness: the lm-evaluation-harness's model "jaxgpt"
     ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside
 )
 MAX_MODULE_LINES = 500
