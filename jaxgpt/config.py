@@ -42,32 +42,53 @@ from jaxgpt.data_config import (
 from jaxgpt.errors import ConfigError, is_int, is_number, one_line
 from jaxgpt.model_config import COMPUTE_KEYS, ComputeConfig, GPTConfig
 
-__all__ = ["FLAT_DATA_KEYS", "MOVED_KEYS", "RESUME", "ComputeConfig", "DataConfig", "FilesConfig", "GPTConfig",
-           "HfConfig", "OcrConfig", "RecordsConfig", "SampleConfig", "TfdsConfig", "TrainConfig", "default_config",
-           "load_config", "none_keys", "unknown_key"]
+__all__ = ["FLAT_DATA_KEYS", "GROUP_LRS", "MOVED_KEYS", "OPTIMIZERS", "RESUME", "SCHEDULES", "ComputeConfig",
+           "DataConfig", "FilesConfig", "GPTConfig", "HfConfig", "OcrConfig", "RecordsConfig", "SampleConfig",
+           "TfdsConfig", "TrainConfig", "default_config", "load_config", "none_keys", "unknown_key"]
 
 RESUME = ("auto", "never", "must")
+# the names train.optimizer and train.schedule may take: jaxgpt.optim's registries implement each
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
+GROUP_LRS = ("embed_lr", "head_lr", "scalar_lr")  # each parameter group's own peak learning rate
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The train section: AdamW on a warmup-cosine schedule, batches, evaluation, logging and
-    checkpoints (jaxgpt.optim and jaxgpt.run read it)."""
+    """The train section: the optimizer and its schedule, batches, evaluation, logging and
+    checkpoints (jaxgpt.optim and jaxgpt.run read it).
+
+    optimizer: 'adamw' (every parameter), or 'muon' (the blocks' weight matrices through Muon,
+    the rest through AdamW). schedule: 'cosine' (linear warmup, cosine decay to min_lr) or 'wsd'
+    (linear warmup, constant, a linear cooldown to min_lr over the last cooldown_fraction of
+    the schedule's steps). embed_lr, head_lr, scalar_lr: the peak learning rates of the
+    embedding tables, the untied unembedding (lm_head) and the biases and gains (None: lr);
+    each group follows lr's schedule scaled to its own peak. muon_*: Muon's momentum β, its
+    Newton–Schulz steps, and Nesterov momentum."""
 
     seed: int = 0
     steps: int = 2000
     batch_size: int = 12  # rows per micro-batch, over all devices
     grad_accum: int = 1  # micro-batches per optimizer step
-    lr: float = 1e-3
+    optimizer: str = "adamw"  # adamw | muon
+    lr: float = 1e-3  # the peak learning rate (under muon: of the blocks' weight matrices)
     min_lr: float = 1e-4
+    embed_lr: float | None = None  # the embedding tables' peak; None: lr
+    head_lr: float | None = None  # the untied unembedding's (lm_head) peak; None: lr
+    scalar_lr: float | None = None  # biases' and norm gains' peak; None: lr
+    schedule: str = "cosine"  # cosine | wsd (warmup, stable, linear cooldown)
     warmup_steps: int = 100
     decay_steps: int | None = None  # None: the run's steps
+    cooldown_fraction: float = 0.2  # wsd: the last fraction of the schedule's steps that decays to min_lr
     b1: float = 0.9
     b2: float = 0.99
     eps: float = 1e-8
     weight_decay: float = 0.1
     decay_embeddings: bool = True
     clip: float = 1.0  # global-norm clipping threshold; 0: none
+    muon_momentum: float = 0.95  # Muon's momentum β
+    muon_ns_steps: int = 5  # Newton–Schulz iterations per update
+    muon_nesterov: bool = True  # Nesterov momentum for Muon
     eval_every: int = 250
     eval_batch_size: int = 32
     eval_max_batches: int | None = None  # None: the whole validation split
@@ -84,7 +105,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
-                    "keep_checkpoints")
+                    "keep_checkpoints", "muon_ns_steps")
         for key in positive:
             _check_train(self, is_int(getattr(self, key)) and getattr(self, key) > 0, key, "a positive integer")
         for key in ("seed", "warmup_steps"):
@@ -94,22 +115,59 @@ class TrainConfig:
             _check_train(self, value is None or (is_int(value) and value > 0), key, "None or a positive integer")
         for key in ("lr", "min_lr", "weight_decay", "clip", "eps"):
             _check_train(self, is_number(getattr(self, key)) and getattr(self, key) >= 0, key, "a number ≥ 0")
-        for key in ("b1", "b2"):
+        for key in ("b1", "b2", "muon_momentum"):
             value = getattr(self, key)
             _check_train(self, is_number(value) and 0 <= value < 1, key, "a number in [0, 1)")
-        for key in ("decay_embeddings", "async_checkpoints"):
+        for key in ("decay_embeddings", "async_checkpoints", "muon_nesterov"):
             _check_train(self, isinstance(getattr(self, key), bool), key, "True or False")
         for key in ("peak_flops", "memory_limit_gib"):
             value = getattr(self, key)
             _check_train(self, value is None or (is_number(value) and value > 0), key, "None or a positive number")
+        self._check_optimizer()
+        self._check_schedule()
+
+    def _check_optimizer(self) -> None:
+        _check_train(self, self.optimizer in OPTIMIZERS, "optimizer", " or ".join(map(repr, OPTIMIZERS)))
+        for key in GROUP_LRS:
+            value = getattr(self, key)
+            _check_train(self, value is None or (is_number(value) and value >= 0), key,
+                         "None (train.lr) or a number ≥ 0")
+            if value is not None and self.lr == 0:
+                raise ConfigError(f"train.{key}={value!r} needs train.lr > 0: each group's schedule is train.lr's "
+                                  "scaled to its own peak")
+
+    def _check_schedule(self) -> None:
+        _check_train(self, self.schedule in SCHEDULES, "schedule", " or ".join(map(repr, SCHEDULES)))
+        fraction = self.cooldown_fraction
+        _check_train(self, is_number(fraction) and 0 < fraction <= 1, "cooldown_fraction", "a number in (0, 1]")
         if self.schedule_steps <= self.warmup_steps:
             raise ConfigError(f"train.decay_steps={self.schedule_steps} must exceed train.warmup_steps="
-                              f"{self.warmup_steps}: the cosine needs at least one step after the warmup")
+                              f"{self.warmup_steps}: the decay needs at least one step after the warmup")
+        if self.schedule != "wsd":
+            return
+        if self.cooldown_steps < 1:
+            raise ConfigError(f"train.cooldown_fraction={fraction!r} gives no cooldown step out of "
+                              f"{self.schedule_steps}: raise it to at least {1 / self.schedule_steps:.3g}")
+        if self.schedule_steps - self.cooldown_steps < self.warmup_steps:
+            raise ConfigError(f"train.cooldown_fraction={fraction!r}: its cooldown of {self.cooldown_steps} steps "
+                              f"would start at step {self.schedule_steps - self.cooldown_steps}, inside the warmup of "
+                              f"{self.warmup_steps}: lower it, or train.warmup_steps")
 
     @property
     def schedule_steps(self) -> int:
-        """The step at which the cosine reaches min_lr: decay_steps, else the run's steps."""
+        """The step at which the schedule reaches min_lr: decay_steps, else the run's steps."""
         return self.decay_steps or self.steps
+
+    @property
+    def cooldown_steps(self) -> int:
+        """wsd's cooldown: round(cooldown_fraction · schedule_steps) steps, ending at schedule_steps."""
+        return round(self.cooldown_fraction * self.schedule_steps)
+
+    def group_lr(self, group: str) -> float:
+        """The peak learning rate of a parameter group: 'matrix' (lr), 'embed', 'head' or 'scalar'
+        (their own key, or lr when it is None)."""
+        own = None if group == "matrix" else getattr(self, f"{group}_lr")
+        return self.lr if own is None else own
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> TrainConfig:

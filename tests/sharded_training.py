@@ -1,6 +1,7 @@
 """Run by tests/test_training.py in a subprocess with 8 fake CPU devices: three train steps
 on each mesh shape (data; data, fsdp and tensor at once; tensor), and on one device,
-printed as JSON (loss and parameter differences)."""
+printed as JSON (loss and parameter differences). tests/test_muon.py runs `run` with other
+train settings."""
 
 import json
 import os
@@ -29,8 +30,8 @@ def batches():
     return [(t[..., :-1], t[..., 1:]) for t in tokens]
 
 
-def run(mesh_shape):
-    optimizer, schedule = make_optimizer(TRAIN), learning_rate_schedule(TRAIN)
+def run(mesh_shape, train=TRAIN):
+    optimizer, schedule = make_optimizer(train), learning_rate_schedule(train)
     step_fn = make_train_step(CFG, optimizer, schedule, grad_accum=K)
     key = jax.random.key(0)
     if mesh_shape is None:
@@ -50,15 +51,15 @@ def run(mesh_shape):
         losses.append(float(metrics["loss"]))
     sharded_leaves = sum(len(leaf.sharding.device_set) > 1 and not leaf.sharding.is_fully_replicated
                          for leaf in jax.tree.leaves(state.params))
-    return losses, jax.device_get(state.params), sharded_leaves
+    return losses, jax.device_get(state.params), sharded_leaves, state
 
 
 def main():
     assert jax.device_count() == 8, jax.devices()
-    ref_losses, ref_params, _ = run(None)
+    ref_losses, ref_params, _, _ = run(None)
     out = {}
     for shape in [(8, 1, 1), (2, 2, 2), (1, 1, 8)]:
-        losses, params, sharded_leaves = run(shape)
+        losses, params, sharded_leaves, _ = run(shape)
         pairs = zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
         diff = max(float(np.abs(a - b).max()) for a, b in pairs)
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))

@@ -1,15 +1,18 @@
-"""The learning-rate schedule against its formula, and which leaves AdamW decays."""
+"""The learning-rate schedules against their formulas, the parameter groups and their rates, which
+leaves AdamW decays, and the one-line errors of the optimizer's settings."""
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxgpt import GPT, GPTConfig
 from jaxgpt.config import TrainConfig
-from jaxgpt.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
+from jaxgpt.optim import learning_rate_schedule, make_optimizer, param_group, param_groups, weight_decay_mask
 
 TRAIN = dict(lr=1e-3, min_lr=1e-4, warmup_steps=100, steps=2000, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0)
 
@@ -56,19 +59,22 @@ def test_decay_mask_covers_exactly_weight_matrices(decay_embeddings):
     assert decayed == matrices | embeddings
 
 
-def test_adamw_decays_matrices_and_leaves_biases_alone():
-    """With zero gradients Adam's step is zero, so only the decoupled decay moves a leaf:
-    θ ← θ − lr·λ·θ for decayed leaves, θ unchanged for the rest."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_adamw_decays_matrices_and_leaves_biases_alone(optimizer):
+    """With zero gradients Adam's step is zero (and Muon's: the orthogonalisation of a zero
+    momentum is zero), so only the decoupled decay moves a leaf: θ ← θ − lr·λ·θ for decayed
+    leaves, θ unchanged for the rest."""
     cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, d_model=8)
     params = jax.jit(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])()
     params = jax.tree.map(lambda p: p + 1.0, params)  # non-zero biases
-    train = TrainConfig(**{**TRAIN, "warmup_steps": 0, "lr": 0.5, "weight_decay": 0.2})
+    train = TrainConfig(**{**TRAIN, "optimizer": optimizer, "warmup_steps": 0, "lr": 0.5, "weight_decay": 0.2})
     optimizer = make_optimizer(train)
     # jitted: one program, not one per operation and leaf
     updates, _ = jax.jit(lambda p: optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p))(params)
     lr0 = 0.5 / 1  # warmup 0: lr/(0+1)
     kernel = params["h_0"]["mlp"]["c_fc"]["kernel"]
     np.testing.assert_allclose(updates["h_0"]["mlp"]["c_fc"]["kernel"], -lr0 * 0.2 * kernel, rtol=1e-5)
+    np.testing.assert_allclose(updates["wte"]["embedding"], -lr0 * 0.2 * params["wte"]["embedding"], rtol=1e-5)
     np.testing.assert_array_equal(updates["h_0"]["mlp"]["c_fc"]["bias"], 0.0)
     np.testing.assert_array_equal(updates["h_0"]["ln_1"]["scale"], 0.0)
 
@@ -88,3 +94,167 @@ def test_clipping_scales_gradients_to_the_global_norm_bound(norm, clip):
     clipped = g * min(1.0, clip / norm)
     got = -np.concatenate([updates["w"], updates["b"]]) * eps
     np.testing.assert_allclose(got, clipped, rtol=1e-3)
+
+
+def expected_wsd(t, lr=1e-3, min_lr=1e-4, warmup=10, end=100, cooldown=20):
+    """Warmup–stable–decay written out: warmup lr·(t+1)/(w+1), lr until end − C, then a
+    straight line from lr at end − C to min_lr at end, min_lr after."""
+    if t < warmup:
+        return lr * (t + 1) / (warmup + 1)
+    if t < end - cooldown:
+        return lr
+    if t <= end:
+        return lr + (min_lr - lr) * (t - (end - cooldown)) / cooldown
+    return min_lr
+
+
+@pytest.mark.parametrize("t", [0, 5, 9, 10, 11, 50, 79, 80, 81, 90, 99, 100, 101, 500])
+def test_wsd_schedule_values(t):
+    """steps 100, warmup 10, cooldown_fraction 0.2: the cooldown is steps 80…100."""
+    train = TrainConfig(**{**TRAIN, "steps": 100, "warmup_steps": 10, "schedule": "wsd", "cooldown_fraction": 0.2})
+    assert train.cooldown_steps == 20
+    assert float(learning_rate_schedule(train)(t)) == pytest.approx(expected_wsd(t), rel=1e-5)
+
+
+def test_wsd_follows_decay_steps_and_may_cool_down_from_the_warmups_end():
+    """decay_steps 40 in a run of 100 steps, warmup 8, the whole rest (fraction 0.8) cooling:
+    C = 32 steps from step 8 to step 40, then min_lr."""
+    train = TrainConfig(**{**TRAIN, "steps": 100, "decay_steps": 40, "warmup_steps": 8, "schedule": "wsd",
+                           "cooldown_fraction": 0.8})
+    schedule = learning_rate_schedule(train)
+    for t in (0, 7, 8, 9, 24, 39, 40, 41, 99):
+        assert float(schedule(t)) == pytest.approx(expected_wsd(t, warmup=8, end=40, cooldown=32), rel=1e-5), t
+
+
+@functools.cache
+def tiny_params(init=jax.jit, **changes):
+    """A one-layer untied GPT's params (init=jax.eval_shape: their shapes only)."""
+    cfg = GPTConfig(**{**dict(vocab_size=11, block_size=8, n_layer=1, n_head=2, d_model=8, tie_embeddings=False),
+                       **changes})
+    made = init(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    return made if init is jax.eval_shape else made()
+
+
+def few_params():
+    """A leaf of each group at its place in a GPT's params (as GROUPS names them)."""
+    shapes = {"wte": {"embedding": (11, 8)}, "lm_head": {"kernel": (8, 11)}, "logits_bias": (11,),
+              "h_0": {"attn": {"c_attn": {"kernel": (8, 3, 2, 4), "bias": (3, 2, 4)}}, "ln_1": {"scale": (8,)}}}
+    return jax.tree.map(lambda shape: jnp.sin(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape) + 1.0,
+                        shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def test_adamw_without_group_rates_is_optax_adamw_bit_for_bit():
+    """The default optimizer is clip, then optax.adamw on the schedule: the same state
+    structure (so checkpoints written before the groups restore) and the same updates."""
+    train = TrainConfig(**{**TRAIN, "warmup_steps": 2, "steps": 10})
+    ours = make_optimizer(train)
+    reference = optax.chain(optax.clip_by_global_norm(train.clip), optax.adamw(
+        learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps, weight_decay=train.weight_decay,
+        mask=lambda p: weight_decay_mask(p, train.decay_embeddings)))
+    shapes = tiny_params(jax.eval_shape)
+    assert jax.tree.structure(jax.eval_shape(ours.init, shapes)) == \
+        jax.tree.structure(jax.eval_shape(reference.init, shapes))
+    params = few_params()  # one leaf of each group: a small program to compile
+    states = [ours.init(params), reference.init(params)]
+    both = jax.jit(lambda grads, states: (ours.update(grads, states[0], params),
+                                          reference.update(grads, states[1], params)))
+    for i in range(3):  # one program, compiled once
+        grads = jax.tree.map(lambda p, i=i: jnp.sin(p * 7.0 + i) + 0.1, params)
+        (u1, state_ours), (u2, state_ref) = both(grads, states)
+        states = [state_ours, state_ref]
+        for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+GROUPS = {"wte/embedding": "embed", "wpe/embedding": "embed", "lm_head/kernel": "head", "ln_f/scale": "scalar",
+          "ln_f/bias": "scalar", "logits_bias": "scalar", "h_0/attn/c_attn/kernel": "matrix",
+          "h_0/attn/c_attn/bias": "scalar", "h_0/attn/c_proj/kernel": "matrix", "h_0/ln_1/scale": "scalar",
+          "h_0/mlp/c_fc/kernel": "matrix", "h_0/mlp/c_proj/bias": "scalar"}
+
+
+def test_param_groups_by_path():
+    groups = param_groups(tiny_params(jax.eval_shape, logits_bias=True))
+    flat = {"/".join(k.key for k in path): g for path, g in jax.tree_util.tree_leaves_with_path(groups)}
+    assert {path: flat[path] for path in GROUPS} == GROUPS
+    assert set(flat.values()) == {"embed", "head", "scalar", "matrix"}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_each_group_steps_at_its_own_rate(optimizer):
+    """Adam's first step is m̂/(√v̂ + ε) = g/(|g| + ε) = sign(g) for ε ≪ |g|, so with no decay
+    or clipping |Δθ| = lr_g(0) in every element, lr_g(0) = lr_g/(w+1) in the warmup (w = 3):
+    embed 0.4/4, head 0.02/4, scalar 0.8/4, matrix (AdamW) 0.01/4. Under Muon the matrices
+    take Muon's step instead; the others still step at their own rates."""
+    rates = {"matrix": 0.01, "embed": 0.4, "head": 0.02, "scalar": 0.8}
+    train = TrainConfig(**{**TRAIN, "optimizer": optimizer, "lr": rates["matrix"], "embed_lr": rates["embed"],
+                           "head_lr": rates["head"], "scalar_lr": rates["scalar"], "warmup_steps": 3, "steps": 10,
+                           "weight_decay": 0.0, "clip": 0.0, "eps": 1e-12})
+    params = few_params()
+    optimizer_ = make_optimizer(train)
+    grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=jnp.float32).reshape(p.shape) * 1.3) + 0.05,
+                         params)
+    updates, _ = jax.jit(lambda g: optimizer_.update(g, optimizer_.init(params), params))(grads)
+    for path, update in jax.tree_util.tree_leaves_with_path(updates):
+        group = param_group(path)
+        if optimizer == "muon" and group == "matrix":
+            assert float(jnp.abs(update).std()) > 0  # orthogonalised, not sign-like
+            continue
+        np.testing.assert_allclose(np.abs(update), rates[group] / 4, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_array_equal(np.sign(update), -np.sign(grads_at(grads, path)))
+
+
+def grads_at(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def test_group_rates_follow_the_schedule_to_their_own_minimum():
+    """lr_g(t) = lr_g · lr(t)/lr: with b1 = b2 = 0 Adam's step is sign(g) at every step t, so
+    |Δθ| reads the group's rate off the schedule: at the peak (t = w) lr_g, at the end
+    lr_g·min_lr/lr."""
+    train = TrainConfig(**{**TRAIN, "lr": 0.01, "min_lr": 0.001, "embed_lr": 0.5, "warmup_steps": 2, "steps": 10,
+                           "b1": 0.0, "b2": 0.0, "weight_decay": 0.0, "clip": 0.0, "eps": 1e-12})
+    params = few_params()
+    optimizer = make_optimizer(train)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
+
+    @jax.jit
+    def step_at(t):
+        state = optax.tree.set(optimizer.init(params), count=jnp.asarray(t, jnp.int32))
+        return optimizer.update(grads, state, params)[0]
+
+    for t, factor in ((2, 1.0), (10, 0.1), (20, 0.1)):
+        updates = step_at(t)
+        np.testing.assert_allclose(updates["wte"]["embedding"], -0.5 * factor, rtol=1e-5)
+        np.testing.assert_allclose(updates["h_0"]["attn"]["c_attn"]["kernel"], -0.01 * factor, rtol=1e-5)
+
+
+def test_the_registries_implement_exactly_the_names_the_config_accepts():
+    from jaxgpt import config, optim
+
+    assert tuple(optim.OPTIMIZERS) == config.OPTIMIZERS and tuple(optim.SCHEDULES) == config.SCHEDULES
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(optimizer="sgd"), r"^train.optimizer='sgd': must be 'adamw' or 'muon'$"),
+    (dict(schedule="linear"), r"^train.schedule='linear': must be 'cosine' or 'wsd'$"),
+    (dict(cooldown_fraction=0.0), r"^train.cooldown_fraction=0.0: must be a number in \(0, 1\]$"),
+    (dict(cooldown_fraction=1.5), r"^train.cooldown_fraction=1.5: must be a number in \(0, 1\]$"),
+    (dict(schedule="wsd", steps=100, warmup_steps=10, cooldown_fraction=0.001),
+     r"^train.cooldown_fraction=0.001 gives no cooldown step out of 100: raise it to at least 0.01$"),
+    (dict(schedule="wsd", steps=100, warmup_steps=50, cooldown_fraction=0.6),
+     r"^train.cooldown_fraction=0.6: its cooldown of 60 steps would start at step 40, inside the warmup of 50"),
+    (dict(embed_lr=-1.0), r"^train.embed_lr=-1.0: must be None \(train.lr\) or a number ≥ 0$"),
+    (dict(head_lr="fast"), r"^train.head_lr='fast': must be None \(train.lr\) or a number ≥ 0$"),
+    (dict(scalar_lr=0.1, lr=0.0), r"^train.scalar_lr=0.1 needs train.lr > 0"),
+    (dict(muon_momentum=1.0), r"^train.muon_momentum=1.0: must be a number in \[0, 1\)$"),
+    (dict(muon_ns_steps=0), r"^train.muon_ns_steps=0: must be a positive integer$"),
+    (dict(muon_nesterov="yes"), r"^train.muon_nesterov='yes': must be True or False$"),
+])
+def test_a_bad_optimizer_or_schedule_setting_is_a_one_line_error_naming_its_key(changes, message):
+    from jaxgpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as raised:
+        TrainConfig(**{**TRAIN, **changes})
+    assert "\n" not in str(raised.value)
