@@ -30,17 +30,17 @@ def batches():
     return [(t[..., :-1], t[..., 1:]) for t in tokens]
 
 
-def run(mesh_shape, train=TRAIN):
+def run(mesh_shape, train=TRAIN, cfg=CFG):
     optimizer, schedule = make_optimizer(train), learning_rate_schedule(train)
-    step_fn = make_train_step(CFG, optimizer, schedule, grad_accum=K)
+    step_fn = make_train_step(cfg, optimizer, schedule, grad_accum=K)
     key = jax.random.key(0)
     if mesh_shape is None:
-        state = init_state(CFG, optimizer, key)
+        state = init_state(cfg, optimizer, key)
         step = jax.jit(step_fn)
         put = lambda x: x  # noqa: E731
     else:
         mesh = sharding.make_mesh(dict(zip(sharding.AXES, mesh_shape, strict=True)))
-        state, shardings = sharded_init(CFG, optimizer, key, mesh)
+        state, shardings = sharded_init(cfg, optimizer, key, mesh)
         batch_sharding = sharding.batch_sharding(mesh)
         step = jax.jit(step_fn, in_shardings=(shardings, (batch_sharding, batch_sharding), None),
                        out_shardings=(shardings, None))

@@ -144,8 +144,11 @@ from jaxgpt.optim import make_optimizer
 from jaxgpt.training import abstract_state
 
 train = dataclasses.replace(st.TRAIN, optimizer="muon", schedule="wsd", embed_lr=0.01, scalar_lr=0.002)
-ref_losses, ref_params, _, _ = st.run(None, train)
-losses, params, sharded_leaves, state = st.run((2, 2, 2), train)
+# the modern recipe's model switches with it (configs/speedrun_*.py)
+cfg = dataclasses.replace(st.CFG, qk_norm=True, activation="relu2", logit_softcap=3.0, zero_init_out=True,
+                          tie_embeddings=False, positions="rope", norm="rmsnorm", bias=False)
+ref_losses, ref_params, _, _ = st.run(None, train, cfg)
+losses, params, sharded_leaves, state = st.run((2, 2, 2), train, cfg)
 pairs = zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
 out = {"param_diff": max(float(np.abs(a - b).max()) for a, b in pairs), "sharded_leaves": sharded_leaves,
        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))}
@@ -158,7 +161,7 @@ saved = jax.device_get(state.to_dict())
 optimizer, restored_onto = make_optimizer(train), []
 for shape, devices in (((8, 1, 1), None), ((1, 1, 1), jax.devices()[:1])):
     mesh = sharding.make_mesh(dict(zip(sharding.AXES, shape)), devices)
-    abstract = abstract_state(st.CFG, optimizer, mesh).to_dict()
+    abstract = abstract_state(cfg, optimizer, mesh).to_dict()
     restored, step = checkpoints.restore(abstract)
     for got, want, target in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(abstract)):
         assert got.sharding == target.sharding and np.array_equal(np.asarray(got), want)
@@ -170,7 +173,7 @@ print(json.dumps(out))
 
 
 def test_muon_on_a_mesh_equals_one_device_and_its_state_restores_onto_other_meshes(tmp_path):
-    """On 8 CPU devices: three Muon steps (wsd, groups at their own rates) on the (2, 2, 2)
+    """On 8 CPU devices: three Muon steps (wsd, groups at their own rates) of the recipe's model on the (2, 2, 2)
     mesh give the single device's losses and parameters; the state, its momentum sharded,
     checkpoints and restores bit for bit onto (8, 1, 1) and one device."""
     out = json.loads(finished(with_devices(MESHES, tmp_path / "run", TESTS), timeout=300))
@@ -183,7 +186,10 @@ def test_muon_with_wsd_resumed_equals_uninterrupted(tmp_path, corpus):  # noqa: 
     from jaxgpt.run import train
 
     muon = {"train.optimizer": "muon", "train.schedule": "wsd", "train.lr": 0.02, "train.embed_lr": 0.01,
-            "train.cooldown_fraction": 0.75}
+            "train.cooldown_fraction": 0.75,  # and the recipe's model switches (configs/speedrun_*.py)
+            "model.qk_norm": True, "model.activation": "relu2", "model.logit_softcap": 3.0,
+            "model.zero_init_out": True, "model.tie_embeddings": False, "model.positions": "rope",
+            "model.norm": "rmsnorm"}
     first = train(tiny_config(tmp_path, corpus, "split", **muon, **{"train.steps": 3}))
     assert first["step"] == 3
     resumed = train(tiny_config(tmp_path, corpus, "split", **muon, **{"train.steps": 6}))
