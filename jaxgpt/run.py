@@ -171,7 +171,7 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock,
     check_unknown(config, corpus)
     cfg = model_config(config, corpus.tokenizer.vocab_size)
     check_memory(cfg, compute, train_cfg)
-    saved_compute = rundir.check_same_run(directory, cfg, compute, corpus.tokenizer) if resuming else None
+    saved_compute = rundir.check_same_run(directory, cfg, compute, corpus.tokenizer, train_cfg) if resuming else None
     resolved = {**config.to_dict(), "model": cfg.to_dict(), "compute": compute.to_dict(),
                 "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
     if jax.process_index() == 0:

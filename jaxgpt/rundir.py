@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxgpt import convert, data, tokenizers
 from jaxgpt.checkpoint import Checkpoints, MismatchedCheckpoint
-from jaxgpt.config import RESUME, ComputeConfig, GPTConfig
+from jaxgpt.config import RESUME, ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.model import GPT, unstack_layers
 from jaxgpt.model_config import split_model
@@ -193,9 +193,10 @@ def resume_policy(resume: str, checkpoints: Checkpoints) -> bool:
 
 
 def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
-                   tokenizer: tokenizers.Tokenizer) -> ComputeConfig | None:
-    """A resume continues the run in the directory: the same model and the same tokenizer
-    (its checkpoints mean nothing under another mapping of ids to text). How it runs may
+                   tokenizer: tokenizers.Tokenizer, train: TrainConfig | None = None) -> ComputeConfig | None:
+    """A resume continues the run in the directory: the same model, the same tokenizer
+    (its checkpoints mean nothing under another mapping of ids to text) and the same
+    optimizer (train.optimizer: its state is the checkpoints' other half). How it runs may
     change; each change is said. Returns how the checkpoints were written (None: unknown,
     when config.json is missing: then the newest checkpoint's shapes must be cfg's)."""
     saved_path = directory / CONFIG_FILE
@@ -210,6 +211,11 @@ def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
         if different:
             raise TrainingError(f"{directory} holds a run of another model ({different}, saved → asked); resume it "
                                 "with its own config or choose another --config.run_dir")
+        optimizer = saved.get("train", {}).get("optimizer", "adamw")  # runs from before Muon: AdamW
+        if train is not None and train.optimizer != optimizer:
+            raise TrainingError(f"{directory} holds a run trained with train.optimizer={optimizer!r}, whose state its "
+                                f"checkpoints keep: resume it with --config.train.optimizer={optimizer}, or give "
+                                f"train.optimizer={train.optimizer!r} another --config.run_dir")
         written = saved_compute(saved)
         changes = [f"{key} {old!r} → {new!r}" for key, old in written.to_dict().items()
                    if (new := getattr(compute, key)) != old]

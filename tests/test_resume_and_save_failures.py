@@ -9,6 +9,7 @@ from processes import with_devices
 from test_run import cli_args, corpus, run_records, run_train_py, tiny_config  # noqa: F401 (corpus: a fixture)
 
 from jaxgpt import ComputeConfig, GPTConfig, tokenizers
+from jaxgpt.config import TrainConfig
 from jaxgpt.errors import TrainingError
 from jaxgpt.rundir import check_same_run
 
@@ -86,3 +87,16 @@ def test_train_py_with_checkpoints_a_file_stops_in_one_line(tmp_path, corpus):  
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert errors == [f"train.py: {tmp_path / 'run' / 'checkpoints'} is a file, not a directory of checkpoints: move "
                       "it away and run again"]
+
+
+def test_a_resume_under_another_optimizer_is_refused_naming_it(tmp_path):
+    cfg = GPTConfig(vocab_size=30, block_size=8, n_layer=1, n_head=4, d_model=16)
+    (tmp_path / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "compute": ComputeConfig().to_dict(),
+                                                      "train": {"optimizer": "adamw"}}))
+    tokenizer = tokenizers.train_tokenizer("char", ["abc"])
+    check_same_run(tmp_path, cfg, ComputeConfig(), tokenizer, TrainConfig(optimizer="adamw"))  # the same: resumes
+    with pytest.raises(TrainingError) as refused:
+        check_same_run(tmp_path, cfg, ComputeConfig(), tokenizer, TrainConfig(optimizer="muon"))
+    assert str(refused.value) == (f"{tmp_path} holds a run trained with train.optimizer='adamw', whose state its "
+                                  "checkpoints keep: resume it with --config.train.optimizer=adamw, or give "
+                                  "train.optimizer='muon' another --config.run_dir")
