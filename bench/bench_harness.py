@@ -39,7 +39,7 @@ from table import print_table  # noqa: E402
 from jaxgpt import GPT, GPTConfig, export, tokenizers  # noqa: E402
 from jaxgpt.checkpoint import Checkpoints  # noqa: E402
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 TASK = "bench_choices"
 
 

@@ -25,11 +25,11 @@ def get_config():
                         positions="rope", norm="rmsnorm", activation="relu2", qk_norm=True, logit_softcap=15.0,
                         zero_init_out=True, tie_embeddings=False)
     config.train.update(
-        optimizer="muon", lr=0.03, embed_lr=0.03, head_lr=0.006, scalar_lr=0.01, min_lr=0.0,
+        optimizer="muon", lr=0.02, embed_lr=0.1, head_lr=0.006, scalar_lr=0.01, min_lr=0.0,
         b1=0.8, b2=0.95, weight_decay=0.0, clip=0.0,
         schedule="wsd", warmup_steps=20, cooldown_fraction=0.4,
-        steps=700, batch_size=16,
-        eval_every=100, ckpt_every=700, log_every=10, eval_batch_size=48,
+        steps=240, batch_size=16,
+        eval_every=40, ckpt_every=240, log_every=10, eval_batch_size=48,
     )
     config.sample.update(prompt="\n", max_new_tokens=500)
     return config
