@@ -12,9 +12,14 @@ every document but the first), log p(t) = Σ_j log p(t_j | p, t_{<j}) over the w
 counted once, exactly as `jaxgpt.evaluation` counts a text's loss.
 
 Every request becomes a row (inputs, targets, mask). Rows are sorted by length, put in batches
-of `batch_size` (the last one filled with empty rows) and padded to a power of two
-(`bucket`), so that a task compiles a handful of programs, one per bucket, however many
-requests and lengths it has.
+of `batch_size` (the last one filled with empty rows) and padded to a `bucket` (a power of two up
+to block_size/8, then multiples of it), so that a task compiles a handful of programs, one per
+bucket, however many requests and lengths it has.
+
+Continuations that share their context (a multiple-choice item's choices) are scored through
+the KV cache (`score_shared`): the context is read once, its cache copied to each of its
+continuations, which are then read after it. The same log-probabilities, the context's work
+done once instead of once per choice.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt import data
+from jaxgpt.attention import init_cache
 from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
 
@@ -44,8 +50,11 @@ def prefix_id(tokenizer: Tokenizer) -> int:
 
 
 def bucket(length: int, block_size: int) -> int:
-    """The padded width of rows up to `length` tokens: the next power of two, at least
-    MIN_BUCKET, at most block_size."""
+    """The padded width of rows up to `length` tokens: the next power of two (at least
+    MIN_BUCKET) up to block_size/8, past it the next multiple of block_size/8; at most block_size."""
+    step = max(MIN_BUCKET, block_size // 8)
+    if length > step:
+        return min(block_size, -(-length // step) * step)
     return min(block_size, max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length()))
 
 
@@ -131,11 +140,100 @@ def score_rows(model: GPT, params, rows: Sequence[Row], *, batch_size: int,
 def score_continuations(model: GPT, params, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                         batch_size: int, on_batch=None) -> list[tuple[float, bool]]:
     """(log p(c | x), greedy(c | x)) of each (context ids, continuation ids); an empty
-    continuation scores (0, True)."""
+    continuation scores (0, True). Continuations that share a context and fit the block after
+    it go through `score_shared`; the others are rows of their own."""
     block_size = model.cfg.block_size
-    rows = [continuation_row(x, c, block_size) for x, c in pairs if len(c)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (x, c) in enumerate(pairs):
+        if len(c):
+            groups.setdefault(tuple(x), []).append(i)
+    shared = [g for x, g in groups.items() if len(g) > 1 and x and sharable(model, len(x), g, pairs)]
+    alone = sorted(set(range(len(pairs))) - {i for g in shared for i in g})
+    results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+    rows = [continuation_row(pairs[i][0], pairs[i][1], block_size) for i in alone if len(pairs[i][1])]
     scores = iter(score_rows(model, params, rows, batch_size=batch_size, on_batch=on_batch))
-    return [next(scores) if len(c) else (0.0, True) for _, c in pairs]
+    for i in alone:
+        if len(pairs[i][1]):
+            results[i] = next(scores)
+    if shared:
+        for group, group_scores in zip(shared, score_shared(model, params, pairs, shared, batch_size), strict=True):
+            for i, score in zip(group, group_scores, strict=True):
+                results[i] = score
+    return results
+
+
+def sharable(model: GPT, context_length: int, group: list[int], pairs) -> bool:
+    """Whether a group's context can be read once into a KV cache: softmax attention (whose
+    cache a padded read leaves usable), and the context and each continuation in the block."""
+    longest = max(len(pairs[i][1]) for i in group)
+    block_size = model.cfg.block_size
+    return (model.cfg.attention == "softmax"
+            and bucket(context_length, block_size) + bucket(longest, block_size) <= block_size)
+
+
+@functools.cache
+def _shared_scorer(model: GPT):
+    """The jitted (params, contexts (G, W), lengths (G,), continuations (G, K, M), mask) →
+    (Σ log-probs, all greedy) (G, K): each context read once into a KV cache, its K
+    continuations read after it from copies of that cache."""
+
+    def score(params, contexts, lengths, continuations, mask):
+        (groups, width), (_, k, m) = contexts.shape, continuations.shape
+        cache = init_cache(model.cfg, groups, width + m)
+        logits, cache = model.apply({"params": params}, contexts, cache)
+        first = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)  # (G, 1, V): predicts c_1
+        cache = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), cache.replace(index=lengths))
+        rows = continuations.reshape(groups * k, m)
+        after, _ = model.apply({"params": params}, rows, cache)  # row j predicts c_{j+2}
+        logits = jnp.concatenate([jnp.repeat(first, k, axis=0), after[:, :-1]], axis=1).astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, rows[..., None], axis=-1)[..., 0]
+        logprobs, counted = picked - jax.nn.logsumexp(logits, axis=-1), mask.reshape(groups * k, m)
+        greedy = jnp.all((jnp.argmax(logits, axis=-1) == rows) | ~counted, axis=-1)
+        return jnp.sum(jnp.where(counted, logprobs, 0.0), axis=-1).reshape(groups, k), greedy.reshape(groups, k)
+
+    return jax.jit(score)
+
+
+def score_shared(model: GPT, params, pairs, groups: list[list[int]], batch_size: int) -> list[list[tuple[float, bool]]]:
+    """The scores of each group's continuations (all of one context), batch_size continuations
+    to a batch: max(1, batch_size // K) groups of up to K (the largest group's size)."""
+    k = max(len(g) for g in groups)
+    per_batch, block_size, scorer = max(1, batch_size // k), model.cfg.block_size, _shared_scorer(model)
+    order = sorted(range(len(groups)), key=lambda g: -len(pairs[groups[g][0]][0]))
+    chunks = [order[start:start + per_batch] for start in range(0, len(order), per_batch)]
+    chunks = [part for chunk in chunks for part in _within_block(chunk, groups, pairs, block_size)]
+    pending = []
+    for chunk_order in chunks:
+        chunk = [groups[g] for g in chunk_order]
+        width, m = _widths(chunk, pairs, block_size)
+        contexts, lengths = np.zeros((per_batch, width), np.int32), np.ones(per_batch, np.int32)
+        continuations, mask = np.zeros((per_batch, k, m), np.int32), np.zeros((per_batch, k, m), bool)
+        for b, g in enumerate(chunk):
+            context = pairs[g[0]][0]
+            contexts[b, :len(context)], lengths[b] = context, len(context)
+            for j, i in enumerate(g):
+                c = pairs[i][1]
+                continuations[b, j, :len(c)], mask[b, j, :len(c)] = c, True
+        pending.append(scorer(params, contexts, lengths, continuations, mask))
+    results: list[list[tuple[float, bool]]] = [[] for _ in groups]
+    for chunk_order, (sums, greedy) in zip(chunks, jax.device_get(pending), strict=True):
+        for b, g in enumerate(chunk_order):
+            results[g] = [(float(sums[b, j]), bool(greedy[b, j])) for j in range(len(groups[g]))]
+    return results
+
+
+def _widths(chunk: list[list[int]], pairs, block_size: int) -> tuple[int, int]:
+    """The buckets of a batch's longest context and longest continuation."""
+    return (bucket(max(len(pairs[g[0]][0]) for g in chunk), block_size),
+            bucket(max(len(pairs[i][1]) for g in chunk for i in g), block_size))
+
+
+def _within_block(chunk: list[int], groups, pairs, block_size: int) -> list[list[int]]:
+    """The batch, or, when its widest context and widest continuation together pass the block,
+    each of its groups alone (each fits: `sharable`)."""
+    if sum(_widths([groups[g] for g in chunk], pairs, block_size)) <= block_size:
+        return [chunk]
+    return [[g] for g in chunk]
 
 
 def score_texts(model: GPT, params, texts: Sequence[Sequence[int]], *, batch_size: int, stride: int | None = None,

@@ -103,3 +103,20 @@ def test_batched_bucketed_scores_are_the_float64_scores(char):
     assert [g for _, g in scores] == [g for _, g in expected] and scores[0][1]
     with pytest.raises(ValueError, match="longer than the model's context"):
         likelihood.score_continuations(GPT(cfg), params, [(ids[:1], ids[1:34])], batch_size=4)
+
+
+def test_choices_sharing_a_context_score_as_each_alone_in_float64(char):
+    """Choices of one context are read after one KV cache of it: the same log-probabilities and
+    greedy flags as each (context, choice) scored alone, in float64; groups of different sizes,
+    contexts and choices of different lengths, in batches that mix them."""
+    cfg = GPTConfig(vocab_size=char.vocab_size, block_size=32, n_layer=2, n_head=2, d_model=16, d_ff=32,
+                    positions="rope")
+    params = random_params(cfg)
+    ids = char.encode(TEXT)
+    pairs = [(ids[:9], ids[9:12]), (ids[:9], ids[20:27]), (ids[:9], ids[30:31]), (ids[:9], ids[40:44]),
+             (ids[50:53], ids[60:62]), (ids[50:53], ids[9:18]), (ids[:2], ids[2:5]), (ids[70:90], ids[5:8]),
+             (ids[70:90], ids[3:4]), (ids[:9], [])]
+    scores = likelihood.score_continuations(GPT(cfg), params, pairs, batch_size=4)
+    expected = [float64_score(cfg, params, x, c) if c else (0.0, True) for x, c in pairs]
+    np.testing.assert_allclose([s for s, _ in scores], [s for s, _ in expected], rtol=1e-5, atol=1e-4)
+    assert [g for _, g in scores] == [g for _, g in expected]
