@@ -74,6 +74,35 @@ def test_words_counted_apart_learn_the_merges_of_their_summed_counts(parts):
     assert learn_merges(joined, 280) == reference_merges(summed, 280)
 
 
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.dictionaries(st.binary(min_size=1, max_size=6).map(lambda b: bytes(97 + x % 4 for x in b)),
+                                      st.integers(1, 4)), min_size=1, max_size=3),
+       shares=st.integers(1, 4))
+def test_shares_joined_apart_and_set_side_by_side_learn_the_merges_of_the_summed_counts(parts, shares):
+    # What worker processes do: each cuts its words into shares, worker k joins the k-th shares of all.
+    summed: dict[bytes, int] = defaultdict(int)
+    for part in parts:
+        for word, count in part.items():
+            summed[word] += count
+    cut = [Words.of(part).shares(shares) for part in parts]
+    joined = [Words.joined([pieces[k] for pieces in cut]) for k in range(shares)]
+    held = [set(share.words()) for share in joined]
+    assert sum(map(len, held)) == len(set().union(*held)) == len(summed)  # each word in one share only
+    assert learn_merges(Words.concatenated(joined), 280) == reference_merges(summed, 280)
+
+
+def test_pairs_made_by_a_token_that_another_merge_made_too_are_counted_as_the_others(monkeypatch):
+    # Two merges that make the same bytes do not occur in these words, so every merge is sent down the
+    # path for that case (pairs looked up before they are made), which must learn the same merges.
+    from jaxgpt.tokenizers import bpe_training
+
+    original = bpe_training._Pieces.fuse
+    monkeypatch.setattr(bpe_training._Pieces, "fuse",
+                        lambda self, pair, left, right, new, fresh: original(self, pair, left, right, new, False))
+    words = {b"abababa": 3, b"aaab": 2, b"baba": 5, b"the cat sat on the mat": 2, b"aaaaaaa": 1}
+    assert learn_merges(Words.of(words), 300) == reference_merges(words, 300)
+
+
 def test_merges_equal_the_reference_on_long_pieces_and_prose():
     rng = random.Random(0)
     words = {bytes(rng.choice(b"ab") for _ in range(3000)): 1, bytes(rng.choice(b"abc ") for _ in range(2000)): 3,

@@ -26,7 +26,7 @@ from processes import finished, free_port, with_devices
 
 from jaxgpt import data, tokenizers
 from jaxgpt.data import DataError, cache, shards
-from jaxgpt.data.split import assign_splits
+from jaxgpt.data.split import TrainSample, assign_splits
 from jaxgpt.tokenizers import Tokenizer
 
 fast = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
@@ -383,6 +383,25 @@ def test_streaming_split_holds_out_about_the_fraction():
     assigned = [which for which, _ in assign_splits(map(str, range(20_000)), 0.1)]
     assert abs(assigned.count("val") - 2000) < 4 * math.sqrt(20_000 * 0.1 * 0.9)
     assert all(which == "train" for which, _ in assign_splits(map(str, range(50)), 0.0))
+
+
+def test_the_tokenizer_sample_is_read_as_it_is_iterated_and_again_from_memory():
+    pulled = []  # the items the source has given so far
+
+    def items():
+        for item in [("train", "ab"), ("val", "x"), ("train", "cdé"), ("train", "fgh"), ("train", "never read")]:
+            pulled.append(item)
+            yield item
+
+    sample = TrainSample(items(), max_bytes=7)
+    documents = iter(sample)
+    assert next(documents) == "ab" and len(pulled) == 1  # the rest of the source not read yet
+    # "ab" (2 bytes) and "cdé" (4) make 6; "fgh" crosses the limit of 7 and is cut to "f".
+    assert list(documents) == ["cdé", "f"] and len(pulled) == 4
+    assert list(sample) == ["ab", "cdé", "f"] and len(pulled) == 4  # a second pass: from memory
+    assert (sample.documents, sample.bytes, sample.read) == (["ab", "cdé", "f"], 7, None)  # full: read again later
+    whole = TrainSample(iter([("train", "ab"), ("val", "x")]), max_bytes=7).finish()
+    assert (whole.documents, whole.bytes, whole.read) == (["ab"], 2, [("train", "ab"), ("val", "x")])
 
 
 def test_bytes_per_token_is_text_bytes_over_tokens(tmp_path):

@@ -82,19 +82,58 @@ def test_one_and_three_workers_write_identical_shards_and_index(tmp_path, corpus
 
 
 def test_a_bpe_tokenizer_counted_by_two_workers_is_the_file_one_process_trains(tmp_path, corpus_dir, monkeypatch):
+    from jaxgpt.data import encode
     from jaxgpt.tokenizers import bpe_training
 
     splits = []  # the texts cut into pieces in this process, for counting
     original = bpe_training.split
     monkeypatch.setattr(bpe_training, "split", lambda splitter, text: splits.append(text) or original(splitter, text))
+    pools = []  # each worker process is a pool of its own
+
+    class Pool(encode.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            pools.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(encode, "ProcessPoolExecutor", Pool)
     settings_ = {"tokenizer": "bpe", "vocab_size": 400, "encode_batch_bytes": 8_000}
     one = data.prepare(config(tmp_path, corpus_dir, "one", **settings_))
-    assert len(splits) > 200  # every train document, counted here
+    assert len(splits) > 200 and pools == []  # every train document, counted here
     splits.clear()
     two = data.prepare(config(tmp_path, corpus_dir, "two", **{**settings_, "workers": 2}))
     assert splits == []  # counted by the worker processes
+    assert len(pools) == 2  # the same two processes counted the sample and encoded the corpus
     assert (one.directory / "tokenizer.json").read_bytes() == (two.directory / "tokenizer.json").read_bytes()
     assert shard_files(one) == shard_files(two)
+
+
+def test_workers_count_apart_into_disjoint_shares_then_run_what_is_asked_meanwhile(tmp_path):
+    import functools
+    import tempfile
+
+    from jaxgpt.data.encode import Workers
+    from jaxgpt.tokenizers.bpe_training import PieceTally, Words
+    from jaxgpt.tokenizers.pretokenize import GPT2_SPLIT_PATTERN
+
+    documents = [f"document {i}: " + " ".join(WORDS[(i * k) % len(WORDS)] for k in range(40)) for i in range(30)]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    tokenizer = tokenizers.CharTokenizer.train(documents)
+    with Workers(2) as workers:
+        shares = workers.counted(PieceTally(GPT2_SPLIT_PATTERN), documents, batch_chars=500,
+                                 then=functools.partial(tempfile.mkstemp, dir=marks))
+        # The same workers encode next (after `then`: each runs what it is given in order).
+        encoded = list(workers.encoded([("train", d) for d in documents], tokenizer, np.uint16, batch_chars=500))
+    assert [ids.tolist() for _, ids, _, _ in encoded] == [tokenizer.encode(d) for d in documents]
+    here = PieceTally(GPT2_SPLIT_PATTERN)
+    for document in documents:
+        here.add(document)
+    (alone,) = here.result()
+    counts = [dict(zip(share.words(), share.counts.tolist(), strict=True)) for share in shares]
+    assert len(shares) == 2 and not counts[0].keys() & counts[1].keys()  # each piece in one share
+    assert counts[0] | counts[1] == dict(zip(alone.words(), alone.counts.tolist(), strict=True))
+    assert Words.concatenated(shares).counts.sum() == alone.counts.sum()
+    assert len(list(marks.iterdir())) == 2  # each worker ran `then` once it had joined its share
 
 
 # --- shards ------------------------------------------------------------------------------------
@@ -552,9 +591,11 @@ def test_a_directory_of_gpt2_files_is_a_tokenizer(tmp_path, corpus_dir):
     assert shard_files(named) == shard_files(given) and len(shard_files(named)) == 2
 
 
-def test_an_encoding_worker_imports_no_jax():
-    """What a spawned worker imports (the encoder and the tokenizers) leaves JAX out: a worker
-    costs the tokenizer's memory, not JAX's."""
-    probe = "import sys, jaxgpt.data.encode; print('jax' in sys.modules)"
+def test_an_encoding_worker_and_the_preparing_process_import_no_jax():
+    """What a spawned worker imports (the encoder and the tokenizers, and the command's module, which
+    each worker of `python -m jaxgpt.data` imports again) leaves JAX out: a worker costs the
+    tokenizer's memory, not JAX's. So does `data.prepare`: its process starts in a fraction of a second."""
+    probe = ("import sys, jaxgpt.data.encode, jaxgpt.data.__main__; from jaxgpt.data import prepare; "
+             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxgpt.cli import parse_config
 from jaxgpt.data import cache
 from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
 
@@ -41,6 +40,8 @@ class Bar:
 
 
 def main(argv: list[str]) -> int:
+    from jaxgpt.cli import parse_config  # here, not above: each encoding worker imports this module again
+
     tidy_cli_output()
     warnings.showwarning = _show_warning
     signal.signal(signal.SIGTERM, _stop)  # a kill stops it as Ctrl-C does: its workers ended, resumable

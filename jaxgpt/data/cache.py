@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 
 from jaxgpt import tokenizers
-from jaxgpt.config import DataConfig
 from jaxgpt.data import records
 from jaxgpt.data.encode import UNGUARDED, WORKER_ENV
 from jaxgpt.data.examples import Examples, open_examples, write_examples
@@ -61,6 +60,7 @@ from jaxgpt.data.shards import ShardedTokens, check_tokens, concatenated
 from jaxgpt.data.sources import Source, record_files, resolve
 from jaxgpt.data.split import split_documents
 from jaxgpt.data.stream import PROGRESS_FILE, Progress, ids_dtype, trained_tokenizer, write_text
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError
 from jaxgpt.files import write_atomically
 from jaxgpt.lock import LOCK_FILE, FileLock, describe

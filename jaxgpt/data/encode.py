@@ -1,5 +1,5 @@
 """Documents encoded in parallel, in order: batches go to worker processes (the tokenizer sent
-once to each, when it starts) and come back in the order they were submitted, so the tokens
+once to each, before its first batch) and come back in the order they were submitted, so the tokens
 are the same whatever the number of workers. At most 2 · workers batches are in flight, so
 memory stays bounded however long the stream.
 
@@ -14,15 +14,16 @@ them (PR_SET_PDEATHSIG), elsewhere each polls its parent every second. A stream 
 its end (Ctrl-C, an error) terminates its workers at once rather than waiting for the batches
 they are encoding, which would be thrown away.
 
-The same workers count the pieces of a tokenizer's sample, for a kind that learns from counted
-pieces (`counted`): there each worker is a pool of its own, whose tally adds up the batches it
-gets and is sent back once, at the end (not one count per batch, which the parent would have to
-add up alone).
+The same workers first count the pieces of a tokenizer's sample, for a kind that learns from
+counted pieces (`Workers.counted`), as the sample is read; they are spawned once for both. Each
+worker is a pool of its own, whose tally adds up the batches it gets. At the end each worker cuts
+its counts into one share per worker (by a rule of the piece alone), and worker k joins the k-th
+shares of all: the parent receives disjoint counts, never adding them up alone, and the joining
+too is spread over the workers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -39,6 +40,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from jaxgpt.data.split import utf8_size
 from jaxgpt.errors import DataError
 from jaxgpt.tokenizers import Tokenizer
 from jaxgpt.tokenizers.base import Tally, count_here
@@ -70,80 +72,121 @@ def encode_documents(tokenizer: Tokenizer, batch: Batch, dtype: np.dtype) -> lis
         if len(ids) and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
             bad = int(ids.min() if ids.min() < 0 else ids.max())
         encoded.append((split, ids.astype(dtype) if bad is None else ids[:0].astype(dtype),
-                        len(document.encode("utf-8")), bad))
+                        utf8_size(document), bad))
     return encoded
 
 
 def encoded_stream(items: Iterable[tuple[str, str]], tokenizer: Tokenizer, dtype: np.dtype, *,
                    workers: int, batch_chars: int) -> Iterator[Encoded]:
-    """encode_documents over `items`, document by document, in order."""
-    head, rest = _first_two(_batches(items, batch_chars, lambda item: len(item[1])))
-    if len(head) < 2 or workers == 1:
-        for batch in chain(head, rest):
-            yield from encode_documents(tokenizer, batch, dtype)
-        return
-    with _pools(1, workers, _start_worker, (tokenizer, dtype)) as (pool,):
-        pending: deque[Future] = deque()
-        for batch in chain(head, rest):
-            pending.append(pool.submit(_encode_in_worker, batch))
-            if len(pending) >= BATCHES_PER_WORKER * workers:
-                yield from pending.popleft().result()
-        while pending:
-            yield from pending.popleft().result()
+    """encode_documents over `items`, document by document, in order, by workers of its own."""
+    with Workers(workers) as pool:
+        yield from pool.encoded(items, tokenizer, dtype, batch_chars=batch_chars)
 
 
-def counted(tally: Tally, documents: Iterable[str], *, workers: int, batch_chars: int) -> list:
-    """The results of copies of `tally` that together added every document (a Counting), one
-    copy per worker process (see the module docstring); in this process when the documents fit
-    in one batch or `workers` is 1."""
-    head, rest = _first_two(_batches(documents, batch_chars, len))
-    if len(head) < 2 or workers == 1:
-        return count_here(tally, chain.from_iterable(chain(head, rest)))
-    with _pools(workers, 1, _start_counter, (tally,)) as pools:
+class Workers:
+    """`count` worker processes, spawned when a stream first needs them and kept until closed (a
+    context manager): they count a tokenizer's sample (`counted`), then encode the corpus
+    (`encoded`). Each is a pool of one process, so that a batch can be sent to a given worker."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._pools: list[ProcessPoolExecutor] = []
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(finished=kind is None)
+        if isinstance(error, BrokenProcessPool):
+            raise DataError(UNGUARDED) from None
+
+    def close(self, finished: bool = True) -> None:
+        """End the workers: at once when not `finished` (Ctrl-C, an error, a stream left early)."""
+        for pool in self._pools:
+            if not finished:
+                _terminate_workers(pool)
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._pools = []
+
+    def counted(self, tally: Tally, documents: Iterable[str], *, batch_chars: int,
+                then: Callable[[], None] | None = None) -> list:
+        """The results of copies of `tally` that together added every document (a Counting), as
+        the documents come: one copy per worker, whose results are then cut into shares and each
+        share joined by one worker (see the module docstring); in this process when the documents
+        fit in one batch or there is one worker. Each worker then runs `then()` while the caller
+        learns from the counts (work that does not depend on them)."""
+        head, rest = _first_two(_batches(documents, batch_chars, len))
+        if len(head) < 2 or self.count == 1:
+            return count_here(tally, chain.from_iterable(chain(head, rest)))
+        pools = self._started(_begin_counting, tally)
         pending: list[deque[Future]] = [deque() for _ in pools]
+        counting = []
         for batch in chain(head, rest):
             k = _least_busy(pending)
             pending[k].append(pools[k].submit(_count_in_worker, batch))
-        wait([future for queue in pending for future in queue])
-        for future in chain.from_iterable(pending):
+            counting.append(pending[k][-1])
+        shares = [pool.submit(_shares_in_worker, len(pools)) for pool in pools]  # after each one's batches
+        for future in counting:
             future.result()  # raises a worker's error
-        return [pool.submit(_result_in_worker).result() for pool in pools]
+        shares = [future.result() for future in shares]
+        joined = [pool.submit(_join_in_worker, [share[k] for share in shares]) for k, pool in enumerate(pools)]
+        joined = [future.result() for future in joined]
+        for pool in pools if then else ():
+            pool.submit(then)  # its outcome is not waited for: were it to fail, the encoding does that work
+        return joined
+
+    def encoded(self, items: Iterable[tuple[str, str]], tokenizer: Tokenizer, dtype: np.dtype, *,
+                batch_chars: int) -> Iterator[Encoded]:
+        """encode_documents over `items`, document by document, in order: each batch to the worker
+        with the fewest in flight, at most BATCHES_PER_WORKER each; in this process when the items
+        fit in one batch or there is one worker."""
+        head, rest = _first_two(_batches(items, batch_chars, lambda item: len(item[1])))
+        if len(head) < 2 or self.count == 1:
+            for batch in chain(head, rest):
+                yield from encode_documents(tokenizer, batch, dtype)
+            return
+        pools = self._started(_begin_encoding, tokenizer, dtype)
+        pending: list[deque[Future]] = [deque() for _ in pools]
+        order: deque[Future] = deque()
+        for batch in chain(head, rest):
+            if len(order) >= BATCHES_PER_WORKER * len(pools):
+                yield from order.popleft().result()
+            k = min(range(len(pools)), key=lambda k: _in_flight(pending[k]))
+            pending[k].append(pools[k].submit(_encode_in_worker, batch))
+            order.append(pending[k][-1])
+        while order:
+            yield from order.popleft().result()
+
+    def _started(self, begin: Callable[..., None], *args: Any) -> list[ProcessPoolExecutor]:
+        """The workers (spawned now if they are not yet), each given begin(*args) first."""
+        os.environ[WORKER_ENV] = "1"  # inherited by each worker as it is spawned, on its pool's first submission
+        try:
+            if not self._pools:
+                context = multiprocessing.get_context("spawn")
+                self._pools = [ProcessPoolExecutor(1, mp_context=context, initializer=_start, initargs=(os.getpid(),))
+                               for _ in range(self.count)]
+            for pool in self._pools:
+                pool.submit(begin, *args)
+        finally:
+            os.environ.pop(WORKER_ENV, None)
+        return self._pools
+
+
+def _in_flight(pending: deque[Future]) -> int:
+    """The batches a worker has not finished (a pool of one process finishes them in order)."""
+    while pending and pending[0].done():
+        pending.popleft()
+    return len(pending)
 
 
 def _least_busy(pending: list[deque[Future]]) -> int:
     """The worker with the fewest batches in flight, once it has fewer than BATCHES_PER_WORKER
     (waiting for one to finish when none has)."""
     while True:
-        for queue in pending:
-            while queue and queue[0].done():  # a pool of one process finishes its batches in order
-                queue.popleft().result()
-        k = min(range(len(pending)), key=lambda k: len(pending[k]))
+        k = min(range(len(pending)), key=lambda k: _in_flight(pending[k]))
         if len(pending[k]) < BATCHES_PER_WORKER:
             return k
         wait([future for queue in pending for future in queue], return_when=FIRST_COMPLETED)
-
-
-@contextlib.contextmanager
-def _pools(count: int, processes: int, initializer: Callable[..., None], initargs: tuple) \
-        -> Iterator[list[ProcessPoolExecutor]]:
-    """`count` pools of `processes` spawned workers each, started by initializer(*initargs, this
-    process's id); left early (Ctrl-C, an error, a stream closed), their workers are ended at once."""
-    os.environ[WORKER_ENV] = "1"  # inherited by the workers as they start (on the first submissions)
-    context = multiprocessing.get_context("spawn")
-    pools = [ProcessPoolExecutor(processes, mp_context=context, initializer=initializer,
-                                 initargs=(*initargs, os.getpid())) for _ in range(count)]
-    finished = False
-    try:
-        yield pools
-        finished = True
-    except BrokenProcessPool:
-        raise DataError(UNGUARDED) from None
-    finally:
-        os.environ.pop(WORKER_ENV, None)
-        for pool in pools:
-            if not finished:
-                _terminate_workers(pool)
-            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _terminate_workers(pool: ProcessPoolExecutor) -> None:
@@ -174,20 +217,7 @@ def _first_two(batches: Iterator[list[Item]]) -> tuple[list[list[Item]], Iterato
     return list(islice(batches, 2)), batches
 
 
-_worker_tokenizer: tuple[Tokenizer, np.dtype] | None = None  # what an encoding worker encodes with
-_worker_tally: Tally | None = None  # what a counting worker adds its batches to
-
-
-def _start_worker(tokenizer: Tokenizer, dtype: np.dtype, parent: int) -> None:
-    global _worker_tokenizer
-    _start(parent)
-    _worker_tokenizer = tokenizer, dtype
-
-
-def _start_counter(tally: Tally, parent: int) -> None:
-    global _worker_tally
-    _start(parent)
-    _worker_tally = tally
+_worker: dict[str, Any] = {}  # a worker's tally (while it counts) and tokenizer and dtype (while it encodes)
 
 
 def _start(parent: int) -> None:
@@ -212,15 +242,27 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _encode_in_worker(batch: Batch) -> list[Encoded]:
-    tokenizer, dtype = _worker_tokenizer
-    return encode_documents(tokenizer, batch, dtype)
+def _begin_counting(tally: Tally) -> None:
+    _worker["tally"] = tally
 
 
 def _count_in_worker(documents: list[str]) -> None:
     for document in documents:
-        _worker_tally.add(document)
+        _worker["tally"].add(document)
 
 
-def _result_in_worker() -> Any:
-    return _worker_tally.result()
+def _shares_in_worker(parts: int) -> list:
+    return _worker["tally"].result(parts)
+
+
+def _join_in_worker(shares: list) -> Any:
+    return _worker.pop("tally").joined(shares)
+
+
+def _begin_encoding(tokenizer: Tokenizer, dtype: np.dtype) -> None:
+    _worker["encoding"] = tokenizer, dtype
+
+
+def _encode_in_worker(batch: Batch) -> list[Encoded]:
+    tokenizer, dtype = _worker["encoding"]
+    return encode_documents(tokenizer, batch, dtype)

@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import OcrConfig
+from jaxgpt.data_config import OcrConfig
 from jaxgpt.errors import DataError, one_line
 from jaxgpt.files import write_json
 

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import RecordsConfig
+from jaxgpt.data_config import RecordsConfig
 from jaxgpt.errors import DataError
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from jaxgpt import tokenizers
-from jaxgpt.config import DataConfig
 from jaxgpt.data.encode import default_workers, encoded_stream
 from jaxgpt.data.shards import CHECKSUM_BYTES, check_tokens
 from jaxgpt.data.sources import DocumentReader, Source
 from jaxgpt.data.split import SPLITS
 from jaxgpt.data.stream import corpus_items
+from jaxgpt.data_config import DataConfig
 from jaxgpt.tokenizers import Tokenizer
 
 TEXT_VERSION = 3  # the version whose text splits are shards

@@ -49,32 +49,60 @@ def assign_splits(documents: Iterable[str], val_fraction: float) -> Iterator[tup
     yield ("val" if last_is_val else "train"), pending
 
 
-def train_sample(items: Iterable[tuple[str, str]], max_bytes: int
-                 ) -> tuple[list[str], int, list[tuple[str, str]] | None]:
-    """(documents, UTF-8 bytes) of the first train documents up to `max_bytes` bytes, the one
-    that crosses the limit cut on a character; and every item read when the stream ended
-    before the sample was full, having read at most 2 · max_bytes characters (a corpus that
-    need not be read again), else None. Stops reading once the sample is full."""
-    sample: list[str] = []
-    total = 0
-    read: list[tuple[str, str]] | None = []
-    read_chars = 0
-    for split, document in items:
-        if read is not None:
-            read.append((split, document))
-            read_chars += len(document)
-            read = read if read_chars <= 2 * max_bytes else None
-        if split != "train":
-            continue
-        encoded = document.encode("utf-8")
-        if total + len(encoded) >= max_bytes:
-            last = encoded[:max_bytes - total].decode("utf-8", "ignore")
-            if last:
-                sample.append(last)
-            return sample, total + len(last.encode("utf-8")), None
-        sample.append(document)
-        total += len(encoded)
-    return sample, total, read
+class TrainSample:
+    """The tokenizer's sample: the first train documents of `items` up to `max_bytes` UTF-8 bytes,
+    the one that crosses the limit cut on a character, read as it is iterated (so that its
+    documents can be counted while the rest is read), and again from memory on a second pass.
+
+    Once read to its end: `documents`, their `bytes`, and `read`: every item read when the stream
+    ended before the sample was full, having read at most 2 · max_bytes characters (a corpus that
+    need not be read again), else None. Reading stops once the sample is full."""
+
+    def __init__(self, items: Iterable[tuple[str, str]], max_bytes: int):
+        self._items, self.max_bytes = iter(items), max_bytes
+        self.documents: list[str] = []
+        self.bytes, self._read_chars, self._ended = 0, 0, False
+        self.read: list[tuple[str, str]] | None = []
+
+    def __iter__(self) -> Iterator[str]:
+        index = 0
+        while index < len(self.documents) or self._read_one():
+            yield self.documents[index]
+            index += 1
+
+    def finish(self) -> TrainSample:
+        """Read to the sample's end (what the iterations have not read yet)."""
+        while self._read_one():
+            pass
+        return self
+
+    def _read_one(self) -> bool:
+        """Read items until the sample has one more document; False once it is complete."""
+        for split, document in [] if self._ended else self._items:
+            if self.read is not None:
+                self.read.append((split, document))
+                self._read_chars += len(document)
+                self.read = self.read if self._read_chars <= 2 * self.max_bytes else None
+            if split != "train":
+                continue
+            size = utf8_size(document)
+            if self.bytes + size >= self.max_bytes:
+                self._ended, self.read = True, None
+                last = document.encode("utf-8")[:self.max_bytes - self.bytes].decode("utf-8", "ignore")
+                self.bytes += utf8_size(last)
+                if last:
+                    self.documents.append(last)
+                return bool(last)
+            self.documents.append(document)
+            self.bytes += size
+            return True
+        self._ended = True
+        return False
+
+
+def utf8_size(text: str) -> int:
+    """The UTF-8 bytes of `text` (its length when it is ASCII, which a str knows without a look)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def capped(documents: Iterable[str], max_documents: int | None, max_bytes: int | None

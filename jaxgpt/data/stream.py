@@ -4,7 +4,8 @@ The documents flow from the source through the split rule (jaxgpt.data.split) an
 encoding workers (jaxgpt.data.encode) into each split's shards (jaxgpt.data.shards), one
 <|eos|> between consecutive documents of a split. Nothing holds the corpus: memory is the
 tokenizer's sample (when a tokenizer is trained, in a first pass that reads only as far as
-the sample needs) and the batches in flight.
+the sample needs) and the batches in flight. The same worker processes count the sample's
+pieces as it is read (for a kind that learns from counts) and then encode the corpus.
 
 Resuming: after each finished shard, `progress.json` in the build directory records a
 checkpoint — the document the stream had reached and how many of its tokens were written,
@@ -29,7 +30,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,11 @@ from typing import Any
 import numpy as np
 
 from jaxgpt import tokenizers
-from jaxgpt.config import DataConfig
-from jaxgpt.data.encode import counted, default_workers, encoded_stream
+from jaxgpt.data.encode import Workers, default_workers
 from jaxgpt.data.shards import ShardWriter
 from jaxgpt.data.sources import DocumentReader, Source
-from jaxgpt.data.split import SAMPLE_RULE, SPLITS, assign_splits, capped, train_sample
+from jaxgpt.data.split import SAMPLE_RULE, SPLITS, TrainSample, assign_splits, capped
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError
 from jaxgpt.tokenizers import Tokenizer
 
@@ -60,7 +61,16 @@ def write_text(partial: Path, source: Source, val_source: Source | None, setting
     """Write (or finish writing) a text corpus into `partial`: tokenizer.json and the shards.
     Returns (tokenizer, dtype, per-split counts and shard index, more meta)."""
     saved = _read_progress(partial, fingerprint)
-    tokenizer, sample, first_pass = _tokenizer(partial, saved, source, val_source, settings, tokenizer)
+    with Workers(settings.workers or default_workers()) as workers:  # one pool counts the sample, then encodes
+        tokenizer, sample, first_pass = _tokenizer(partial, saved, source, val_source, settings, tokenizer, workers)
+        return _write_shards(partial, source, val_source, settings, tokenizer, fingerprint, on_progress, workers,
+                             saved, sample, first_pass)
+
+
+def _write_shards(partial: Path, source: Source, val_source: Source | None, settings: DataConfig,
+                  tokenizer: Tokenizer, fingerprint: str, on_progress: Progress | None, workers: Workers,
+                  saved: dict | None, sample: dict | None, first_pass: tuple | None):
+    """The corpus encoded by `workers` into shards (resumed from `saved`'s newest intact checkpoint)."""
     dtype = ids_dtype(tokenizer)
     header = {"fingerprint": fingerprint, "tokenizer_sha256": _file_sha256(partial / "tokenizer.json"),
               "dtype": dtype.name, "shard_tokens": settings.shard_tokens, "tokenizer_sample": sample}
@@ -72,9 +82,8 @@ def write_text(partial: Path, source: Source, val_source: Source | None, setting
         reader = DocumentReader(settings)
         corpus = corpus_items(source, val_source, settings, reader)
     items = islice(corpus, build.item, None)
-    workers = settings.workers or default_workers()
-    log.info("encoding %s from document %d with %d worker(s)", source.name, build.item, workers)
-    encoded = encoded_stream(items, tokenizer, dtype, workers=workers, batch_chars=settings.encode_batch_bytes)
+    log.info("encoding %s from document %d with %d worker(s)", source.name, build.item, workers.count)
+    encoded = workers.encoded(items, tokenizer, dtype, batch_chars=settings.encode_batch_bytes)
     try:
         for index, (split, ids, text_bytes, bad) in enumerate(encoded, start=build.item):
             if bad is not None:
@@ -106,7 +115,7 @@ def corpus_items(source: Source, val_source: Source | None, settings: DataConfig
 
 
 def _tokenizer(partial: Path, saved: dict | None, source: Source, val_source: Source | None,
-               settings: DataConfig, tokenizer: Tokenizer | None):
+               settings: DataConfig, tokenizer: Tokenizer | None, workers: Workers):
     """(tokenizer, its sample, first pass): the tokenizer (given; the one a stopped build
     saved; or trained on the sample), saved in `partial`; what its sample was (None for a
     given tokenizer); and (reader, every item) when reading the sample read the whole corpus."""
@@ -118,31 +127,39 @@ def _tokenizer(partial: Path, saved: dict | None, source: Source, val_source: So
     sample = first_pass = None
     if tokenizer is None:
         reader = DocumentReader(settings)
-        texts, sample_bytes, read = train_sample(corpus_items(source, val_source, settings, reader),
-                                                 settings.tokenizer_sample_bytes)
-        if not texts:
-            raise _empty(settings, reader, held_out=read is None or bool(read))
-        log.info("training the %s tokenizer on %d documents (%d bytes)", settings.tokenizer, len(texts), sample_bytes)
-        tokenizer = trained_tokenizer(settings, texts)
-        sample = {"rule": SAMPLE_RULE, "limit": settings.tokenizer_sample_bytes, "bytes": sample_bytes,
-                  "documents": len(texts)}
-        first_pass = (reader, read) if read is not None else None
+        texts = TrainSample(corpus_items(source, val_source, settings, reader), settings.tokenizer_sample_bytes)
+        if next(iter(texts), None) is None:
+            raise _empty(settings, reader, held_out=texts.read is None or bool(texts.read))
+        tokenizer = trained_tokenizer(settings, texts, workers)  # its pieces counted as the sample is read
+        texts.finish()
+        log.info("trained the %s tokenizer on %d documents (%d bytes)", settings.tokenizer, len(texts.documents),
+                 texts.bytes)
+        sample = {"rule": SAMPLE_RULE, "limit": settings.tokenizer_sample_bytes, "bytes": texts.bytes,
+                  "documents": len(texts.documents)}
+        first_pass = (reader, texts.read) if texts.read is not None else None
     tokenizer.save(path)
     return tokenizer, sample, first_pass
 
 
-def trained_tokenizer(settings: DataConfig, texts: Sequence[str]) -> Tokenizer:
-    """A tokenizer of the kind data.tokenizer names, trained on `texts` (its pieces counted by the
-    encoding workers, for a kind that learns from counts); a warning says so when it learned fewer
-    ids than data.vocab_size asks (all that the text holds)."""
-    count = functools.partial(counted, workers=settings.workers or default_workers(),
-                              batch_chars=settings.encode_batch_bytes)
+def trained_tokenizer(settings: DataConfig, texts: Iterable[str], workers: Workers | None = None) -> Tokenizer:
+    """A tokenizer of the kind data.tokenizer names, trained on `texts` (its pieces counted, for a
+    kind that learns from counts, by the encoding `workers`, which then prepare their encoder while
+    this process learns; or by workers of its own); a warning says so when it learned fewer ids
+    than data.vocab_size asks (all that the text holds)."""
+    if workers is None:
+        with Workers(settings.workers or default_workers()) as own:
+            return _trained(settings, texts, functools.partial(own.counted, batch_chars=settings.encode_batch_bytes))
+    return _trained(settings, texts, functools.partial(workers.counted, batch_chars=settings.encode_batch_bytes,
+                                                       then=tokenizers.KINDS[settings.tokenizer].prepare_encoding))
+
+
+def _trained(settings: DataConfig, texts: Iterable[str], count: Callable) -> Tokenizer:
     tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size, count=count)
     if settings.vocab_size is not None and tokenizer.vocab_size < settings.vocab_size:
         text_bytes = sum(len(text.encode("utf-8")) for text in texts)
         warnings.warn(f"data.vocab_size={settings.vocab_size:,} is more than the {settings.tokenizer} tokenizer can "
                       f"learn from its {text_bytes:,} bytes of training text: it has {tokenizer.vocab_size:,} ids, "
-                      "and the tokens, meta.json and the model use that size", stacklevel=3)
+                      "and the tokens, meta.json and the model use that size", stacklevel=4)
     return tokenizer
 
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from jaxgpt.config import DataConfig, FilesConfig
 from jaxgpt.data.sources.files import list_files
 from jaxgpt.data.sources.reader import DocumentReader
+from jaxgpt.data_config import DataConfig, FilesConfig
 
 SPLIT_DIRS = ("train", "validation", "test")
 

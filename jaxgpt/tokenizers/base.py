@@ -25,17 +25,22 @@ FILE_VERSION = 1
 
 
 class Tally(Protocol):
-    """What a kind that learns from counted pieces counts: `add` counts a document's pieces, and
-    `result` gives what was counted, in a form that crosses to another process cheaply."""
+    """What a kind that learns from counted pieces counts: `add` counts a document's pieces;
+    `result(parts)` gives what was counted cut into `parts` disjoint shares, a piece's share chosen
+    by a rule of the piece alone (the same in every process), in a form that crosses to another
+    process cheaply; `joined` adds up shares of the same part from several tallies."""
 
     def add(self, document: str) -> None: ...
 
-    def result(self) -> Any: ...
+    def result(self, parts: int = 1) -> list: ...
+
+    def joined(self, shares: list) -> Any: ...
 
 
-# count(tally, documents) → the results of copies of the empty `tally` that together added every
-# document once (one copy per process that counted): how a kind that learns from counted pieces
-# has them counted (here by `count_here`, or spread over processes by the caller).
+# count(tally, documents) → results that together hold the counts of every document's pieces, each
+# piece in one of them only (from copies of the empty `tally`, one per process that counted, their
+# shares joined): how a kind that learns from counted pieces has them counted (here by
+# `count_here`, or spread over processes by the caller).
 Counting = Callable[[Tally, Iterable[str]], list]
 
 
@@ -44,6 +49,12 @@ class Tokenizer(abc.ABC):
 
     kind: ClassVar[str]
     learns_from_counts: ClassVar[bool] = False  # its train(…, count=) takes a Counting
+
+    @classmethod
+    def prepare_encoding(cls) -> None:
+        """Work that this kind's encoder does once per process whatever the vocabulary, done ahead
+        (by an encoding worker while its tokenizer is being learned); none by default."""
+        return
 
     def __init__(self, special_tokens: Mapping[str, int]):
         if not all(isinstance(name, str) and name for name in special_tokens):
@@ -220,7 +231,7 @@ def count_here(tally: Tally, documents: Iterable[str]) -> list:
     """`tally`'s result once it has added every document, in this process (a Counting)."""
     for document in documents:
         tally.add(document)
-    return [tally.result()]
+    return tally.result()
 
 
 def _check_vocab_size(vocab_size: Any, minimum: int, base: str) -> None:

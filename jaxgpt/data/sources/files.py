@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import DataConfig
 from jaxgpt.data import ocr
 from jaxgpt.data.sources.reader import DocumentReader, pdf_library
 from jaxgpt.data.sources.registry import PATHS, Source, SourceKind, known_forms, register
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError
 
 STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})

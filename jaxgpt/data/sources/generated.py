@@ -22,9 +22,9 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxgpt.config import DataConfig
 from jaxgpt.data.sources.files import files_source
 from jaxgpt.data.sources.registry import Source, SourceKind, register
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError
 from jaxgpt.files import write_atomically
 

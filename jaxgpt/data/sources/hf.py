@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import DataConfig
 from jaxgpt.data.sources.files import list_files
 from jaxgpt.data.sources.reader import DocumentReader
 from jaxgpt.data.sources.registry import Source, SourceKind, register
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError, one_line
 
 PREFIX = "hf:"

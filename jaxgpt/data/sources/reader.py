@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from jaxgpt.config import DataConfig
 from jaxgpt.data import ocr
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError, one_line
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import DataConfig
 from jaxgpt.data.sources.reader import DocumentReader
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError
 
 PATHS = ""  # the scheme of the default kind: a spec without a known scheme is a path

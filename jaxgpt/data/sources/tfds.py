@@ -16,9 +16,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.config import DataConfig
 from jaxgpt.data.sources.reader import DocumentReader
 from jaxgpt.data.sources.registry import Source, SourceKind, register
+from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError, one_line
 
 log = logging.getLogger(__name__)
