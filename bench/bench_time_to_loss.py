@@ -27,8 +27,9 @@ The target is the median final loss of nanoGPT's runs. For each run: the time fr
 start (the bench's Popen) to the first evaluation at or below it, less the time that process
 spent evaluating and writing checkpoints before then (each prints those durations), the step
 of that evaluation, and the final loss. Medians over the seeds, and their ratio. With
---adamw, the speedrun config is also run with train.optimizer=adamw (its own lr, --adamw_lr)
-for the steps ratio of Muon against AdamW on the same model.
+--adamw, the speedrun config is also run with train.optimizer=adamw (its own rate for the
+matrices, --adamw_lr, and a longer schedule, --adamw_steps) for the steps ratio of Muon against
+AdamW on the same model.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval_every", type=int, default=25, help="jaxgpt's evaluation interval, in steps")
     parser.add_argument("--adamw", action="store_true", help="also the speedrun model on AdamW (steps ratio)")
-    parser.add_argument("--adamw_lr", type=float, default=3e-3)
+    parser.add_argument("--adamw_lr", type=float, default=3e-3, help="AdamW's rate for the matrices (tuned: README)")
+    parser.add_argument("--adamw_steps", type=int, default=720, help="AdamW's schedule (it needs more steps)")
     parser.add_argument("--data", type=Path, default=DATA, help="the Tiny Shakespeare text both read")
     parser.add_argument("--nanogpt_steps", type=int, default=NANOGPT_STEPS, help="fewer: a quick check of the bench")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -143,7 +145,8 @@ def main() -> None:
         sys.exit(f"--data {text}: no such file (the Tiny Shakespeare text)")
     prepare_nanogpt_data(nanogpt, args.python, text)
     work = Path(tempfile.mkdtemp(prefix="bench-time-to-loss-"))
-    adamw = [*args.jaxgpt, "--config.train.optimizer=adamw", f"--config.train.lr={args.adamw_lr}"]
+    adamw = [*args.jaxgpt, "--config.train.optimizer=adamw", f"--config.train.lr={args.adamw_lr}",
+             f"--config.train.steps={args.adamw_steps}", f"--config.train.ckpt_every={args.adamw_steps}"]
     nano = lambda seed: nanogpt_run(nanogpt, args.python, seed, val, work, args.nanogpt_steps)  # noqa: E731
     jax = lambda seed, more: jaxgpt_run(seed, text, work, args.eval_every, more)  # noqa: E731
     runs = {"nanoGPT": [], "jaxgpt speedrun": [], "jaxgpt speedrun, AdamW": []}

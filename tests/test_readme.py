@@ -150,10 +150,11 @@ def test_readme_sweep_tables_are_their_commands_cells():
 
     results = {}
     tables = list(sweep_tables())
-    assert len(tables) == 3
+    assert len(tables) == 4  # three grids and the modern recipe's ablation
     for argv, rows, left_out in tables:
         args, config_argv = sweep.parse_args(argv)
-        plan = sweep.cells(sweep.grid_of(args.grid, config_argv), sweep.seeds_of(args.seeds))
+        ablations = sweep.ablations_of(args.ablate, config_argv) if args.ablate else None
+        plan = sweep.cells(sweep.grid_of(args.grid, config_argv), sweep.seeds_of(args.seeds), ablations)
         sweep.parse_cells(plan, config_argv, ROOT / args.out)
         sweep.check_cells(plan, config_argv)
         trained = list(dict.fromkeys(cell.name.rsplit(",seed=", 1)[0] for cell in plan if not cell.refused))
