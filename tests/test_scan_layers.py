@@ -13,13 +13,12 @@ from test_run import corpus  # noqa: F401, F811  (the fixture)
 from jaxgpt import GPT, ComputeConfig, ops
 from jaxgpt.model import layers_as, stack_layers, unstack_layers
 
-CASES = [  # 2 and 3 layers, every positions option, linear and local attention, remat and GQA on the way
+CASES = [  # 2 and 3 layers, every positions option, linear and local attention, remat, GQA, the recipe
     {"positions": "learned", "n_layer": 2, "n_head": 4, "n_kv_head": 2},
     {"positions": "sinusoidal", "n_layer": 3},
-    {"positions": "rope", "n_layer": 2, "attention": "local", "window": 3},
+    {**RECIPE, "n_layer": 2, "attention": "local", "window": 3},  # the modern recipe's switches, RoPE
     {"positions": "alibi", "n_layer": 3},
     {"positions": "none", "n_layer": 3, "attention": "linear"},
-    {**RECIPE, "n_layer": 2},
 ]
 SCAN = ComputeConfig(scan_layers=True)
 
