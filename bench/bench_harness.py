@@ -56,18 +56,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def gpt2_bpe(text: str, vocab_size: int, directory: Path) -> tokenizers.BPETokenizer:
-    """A byte-level BPE whose one special token is GPT-2's <|endoftext|>, so the export reads as GPT-2."""
-    tokenizers.train_tokenizer("bpe", [text], vocab_size=vocab_size + 2).save_gpt2(directory)
-    vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
-    vocab = {token: i for token, i in vocab.items() if not token.startswith("<|")}
-    vocab[tokenizers.GPT2_END_OF_TEXT] = len(vocab)
-    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    return tokenizers.BPETokenizer.from_gpt2(directory / "vocab.json", directory / "merges.txt")
-
-
 def make_run(args, text: str, root: Path) -> tuple[Path, Path]:
-    tokenizer = gpt2_bpe(text[:300_000], args.vocab_size, root)
+    tokenizer = tokenizers.train_gpt2_bpe(text[:300_000], args.vocab_size, root)
     cfg = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=max(1, args.d_model // 64), d_model=args.d_model)
     params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]

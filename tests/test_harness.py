@@ -36,17 +36,6 @@ LONG_TEXT = ("Then the lord goes there, and now the lady comes here! The fisherm
              "shore, and the baker takes warm bread out of the oven while the children build a snowman. ") * 2
 
 
-def gpt2_bpe(directory: Path) -> tokenizers.BPETokenizer:
-    """A byte-level BPE trained on TEXT whose one special token is GPT-2's <|endoftext|> (its bos
-    and eos), as a run started from GPT-2 has: the harness's hf backend reads its export as GPT-2."""
-    tokenizers.train_tokenizer("bpe", [TEXT], vocab_size=VOCAB + 2).save_gpt2(directory)
-    vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
-    vocab = {token: i for token, i in vocab.items() if not token.startswith("<|")}
-    vocab[tokenizers.GPT2_END_OF_TEXT] = len(vocab)
-    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
-    return tokenizers.BPETokenizer.from_gpt2(directory / "vocab.json", directory / "merges.txt")
-
-
 def make_run(directory: Path, tokenizer, *, eval_stride=None) -> Path:
     cfg = GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=2, d_model=32, d_ff=64)
     directory.mkdir(parents=True)
@@ -62,7 +51,7 @@ def make_run(directory: Path, tokenizer, *, eval_stride=None) -> Path:
 def gpt2_run(tmp_path_factory):
     """(the run, its GPT-2 export)."""
     root = tmp_path_factory.mktemp("harness")
-    run = make_run(root / "run", gpt2_bpe(root))
+    run = make_run(root / "run", tokenizers.train_gpt2_bpe([TEXT], VOCAB, root))
     assert export.main(["--run_dir", str(run), "--out", str(root / "hf")]) == 0
     return run, root / "hf"
 

@@ -88,6 +88,7 @@ __all__ = [
     "WordTokenizer",
     "from_dict",
     "load",
+    "train_gpt2_bpe",
     "train_tokenizer",
 ]
 
@@ -117,6 +118,19 @@ def train_tokenizer(
     if count is not None and cls.learns_from_counts:
         options["count"] = count
     return cls.train(texts, vocab_size=vocab_size, **options)
+
+
+def train_gpt2_bpe(texts: str | Iterable[str], vocab_size: int, directory: str | os.PathLike) -> BPETokenizer:
+    """A byte-level BPE of `vocab_size` ids trained on `texts` whose one special token is GPT-2's
+    <|endoftext|> (its bos and eos), written to `directory` as GPT-2's vocab.json and merges.txt:
+    a run with it exports as a GPT-2 that Hugging Face's tools read with their own tokenizer."""
+    directory = Path(directory)
+    train_tokenizer("bpe", texts, vocab_size=vocab_size + 2).save_gpt2(directory)  # 4 specials out, 1 in
+    vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
+    vocab = {token: i for token, i in vocab.items() if not token.startswith("<|")}
+    vocab[GPT2_END_OF_TEXT] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    return BPETokenizer.from_gpt2(directory / "vocab.json", directory / "merges.txt")
 
 
 def from_dict(data: Any, source: str = "tokenizer data") -> Tokenizer:
