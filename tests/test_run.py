@@ -523,14 +523,16 @@ def test_every_checkpoint_damaged_is_a_one_line_error(tmp_path, corpus):
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_from_the_last_good_checkpoint(tmp_path, corpus):
-    """The run directory on a 600 KiB file system: an asynchronous save fails for want of
+    """The run directory on a 400 KiB file system: an asynchronous save fails for want of
     space; the run stops in one line naming the last good checkpoint, and once there is space
-    the same command resumes from it."""
+    the same command resumes from it. A checkpoint takes ~150 KiB and three are kept, so the
+    third save fails whenever the older ones are deleted (600 KiB held three, depending on
+    when the oldest was deleted)."""
     import re
 
     small = tmp_path / "small"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(small)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(small)], capture_output=True)
     if mounted.returncode:
         pytest.skip("needs to mount a small tmpfs (root)")
     try:
