@@ -515,6 +515,29 @@ def test_prepare_command_prepares_the_data_of_a_config_and_prints_where(tmp_path
                                                                       "'data.source'?"
 
 
+def test_the_commands_old_name_says_the_new_one_and_runs_it_with_two_workers(tmp_path, corpus_dir):
+    """`python -m jaxgpt.data.prepare` (older docs and scripts) forwards to `python -m jaxgpt.data`:
+    the same arguments, the same cache, a note on stderr; its spawned workers start as they do for
+    the new name. Imported, the module leaves `jaxgpt.data.prepare` the function."""
+    arguments = [f"--config.data.source={corpus_dir}", f"--config.data.cache_dir={tmp_path / 'cache'}",
+                 "--config.data.tokenizer=char", "--config.data.workers=2", "--config.data.encode_batch_bytes=8000"]
+    done = subprocess.run([sys.executable, "-m", "jaxgpt.data.prepare", *arguments], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.splitlines()[0] == ("note: `python -m jaxgpt.data.prepare` is now `python -m jaxgpt.data` "
+                                           "(same arguments); running that")
+    (directory,) = (tmp_path / "cache").iterdir()
+    assert f"cache: {directory}" in done.stdout
+    assert data.open_corpus(directory).meta["splits"]["val"]["documents"] > 0
+    again = subprocess.run([sys.executable, "-m", "jaxgpt.data", *arguments], capture_output=True, text=True,
+                           timeout=120, cwd=tmp_path)
+    assert again.returncode == 0 and f"cache: {directory}" in again.stdout  # the very cache, reused
+    probe = ("import jaxgpt.data.prepare, jaxgpt.data.cache as c; from jaxgpt import data; "
+             "print(data.prepare is c.prepare, jaxgpt.data.prepare is c.prepare)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
 def test_the_prepare_command_prints_a_warning_as_one_line_and_a_bad_cache_dir_is_named(tmp_path):
     source = tmp_path / "latin.txt"
     source.write_bytes("caf\xe9 au lait, na\xefve\n".encode("latin-1"))  # not UTF-8
