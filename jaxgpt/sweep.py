@@ -10,19 +10,23 @@ is checked before the first is trained: a grid value that no cell accepts (a typ
 with nothing trained, and a combination the config refuses (e.g. post-norm with the parallel
 block) is reported and left out. Run the same command again and it resumes: a cell finished with
 the same config (OUT/cells.json records each cell's) is skipped, any other is trained (an
-interrupted one resumes from its last checkpoint, one that holds another model is refused).
+interrupted one resumes from its last checkpoint, one that holds another model is refused). An
+OUT that holds a cell finished with settings this sweep does not train holds another sweep: it is
+refused with nothing trained, its summary kept (a sweep with more cells than OUT's goes on).
 
 An ablation instead of a grid: `--ablate NAME:KEY=VALUE[,KEY=VALUE…]` (repeated) trains the config
 as it is (the cell `all`) and, for each ablation, the config with those keys changed (the cell
-NAME): each element of a recipe removed in turn.
+NAME): each element of a recipe removed in turn. Each ablation was asked for by name, so one the
+config refuses (a typo in a key or a value) stops the sweep before anything is trained.
 
     python -m jaxgpt.sweep --config=configs/speedrun_cpu.py --ablate no_qk_norm:model.qk_norm=False \
         --ablate adamw:train.optimizer=adamw,train.lr=3e-3 --seeds 0,1 --target_loss 1.9 --out runs/ablation
 
 OUT/summary.csv has one row per cell trained as asked (final and best validation loss, bits per
-byte, tokens/s, parameters; with --target_loss, the step and the training seconds at the first
-evaluation at or below it: compile included, evaluations and checkpoints not); OUT/summary.md the
-same per setting as mean ± std over the seeds, and the cells left out with why; OUT/val_loss.png
+byte, tokens/s, parameters; with --target_loss, a finite positive loss, the step and the training
+seconds at the first evaluation at or below it: compile included, evaluations and checkpoints not,
+empty when not reached); OUT/summary.md the same per setting as mean ± std over the seeds ('not
+reached' where no seed reached the target), and the cells left out with why; OUT/val_loss.png
 every such cell's validation loss against step.
 The sweep exits 1 when a cell failed, 2 when nothing could be trained.
 """
@@ -30,27 +34,24 @@ The sweep exits 1 when a cell failed, 2 when nothing could be trained.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
+import functools
 import itertools
 import json
+import math
 import re
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from jaxgpt import metrics, run, sharding, viz
+from jaxgpt import metrics, run, sharding
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.cli import overridden_keys, parse_config
-from jaxgpt.config import GPTConfig
 from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
 from jaxgpt.files import unwritable, writable_directory, write_json
-from jaxgpt.model import param_count
+from jaxgpt.sweep_summary import write_summary
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
-COLUMNS = ("cell", "seed", "final_val_loss", "best_val_loss", "val_bpb", "tokens_per_sec", "params", "steps",
-           "steps_to_target", "seconds_to_target")
 BASELINE = "all"  # an ablation's cell with nothing removed
 RECORD_FILE = "cells.json"  # each finished cell's config as asked: a rerun skips it only when that is unchanged
 SET_BY_THE_SWEEP = {"train.seed": "--seeds", "run_dir": "--out"}
@@ -64,6 +65,7 @@ class Cell:
     name: str
     setting: dict[str, str]
     seed: int
+    ablation: str | None = None  # the --ablate name (BASELINE for the config as it is); None in a grid
     config: Any = None  # the parsed config (None when it does not parse)
     refused: str | None = None  # why the config refuses this cell, found before any cell trains
     status: str = ""  # done, skipped (finished), failed: …, stopped
@@ -156,7 +158,8 @@ def cells(grid: dict[str, list[str]], seeds: list[int], ablations: dict[str, dic
                           for setting in (dict(zip(grid, values, strict=True))
                                           for values in itertools.product(*grid.values()))}
     for name, setting in named.items():
-        out.extend(Cell(re.sub(r"[^\w.,=+-]+", "_", f"{name},seed={seed}"), setting, seed) for seed in seeds)
+        out.extend(Cell(re.sub(r"[^\w.,=+-]+", "_", f"{name},seed={seed}"), setting, seed,
+                        name if ablations else None) for seed in seeds)
     names = [cell.name for cell in out]
     clash = next((name for name in names if names.count(name) > 1), None)
     if clash is not None:
@@ -171,23 +174,60 @@ def cells(grid: dict[str, list[str]], seeds: list[int], ablations: dict[str, dic
 def parse_cells(plan: list[Cell], config_argv: list[str], out: Path) -> None:
     """Each cell's config, or why it does not parse (cell.refused)."""
     for cell in plan:
-        try:
-            cell.config = parse_config(["sweep", *config_argv, *cell.overrides, f"--config.train.seed={cell.seed}",
-                                        f"--config.run_dir={out / cell.name}"], DEFAULT_CONFIG)
-        except ConfigError as error:
-            cell.refused = one_line(error, limit=2000)
+        cell.config, cell.refused = _parsed(config_argv, [*cell.overrides, f"--config.train.seed={cell.seed}",
+                                                          f"--config.run_dir={out / cell.name}"])
+
+
+def _parsed(config_argv: list[str], overrides: list[str]) -> tuple[Any, str | None]:
+    """(the config of the command line and `overrides`, None), or (None, why it does not parse)."""
+    try:
+        return parse_config(["sweep", *config_argv, *overrides], DEFAULT_CONFIG), None
+    except ConfigError as error:
+        return None, _tidy(one_line(error, limit=2000), config_argv)
+
+
+def _checked(config, explicit_keys: list[str]) -> str | None:
+    """Why run.check_config refuses `config`, or None."""
+    try:
+        run.check_config(config, explicit_keys)
+    except RUN_ERRORS as error:
+        return one_line(error, limit=2000)
+    return None
+
+
+_FLAG_ERROR = re.compile(r"flag --config\.([\w.]+)=(.*?): (.*)")
+_KINDS = {bool: "True or False", int: "an integer", float: "a number"}
+
+
+def _tidy(reason: str, config_argv: list[str]) -> str:
+    """A value of the wrong type said as what its key takes (absl's own words are a raw tuple,
+    e.g. "('Non-boolean argument to boolean flag', 'Ture')")."""
+    match = _FLAG_ERROR.fullmatch(reason)
+    if match is None:
+        return reason
+    key, value, words = match.groups()
+    try:
+        *sections, name = key.split(".")
+        section = functools.reduce(lambda node, part: node[part],
+                                   sections, parse_config(["sweep", *config_argv], DEFAULT_CONFIG))
+        kind = _KINDS.get(section.get_type(name))
+    except (ConfigError, KeyError, AttributeError):
+        kind = None
+    if kind is not None:
+        return f"{key} takes {kind}, not {value!r}"
+    raw = re.fullmatch(r"\('([^']*)', .*\)", words)
+    return f"{key}={value}: {raw.group(1) if raw else words}"
 
 
 def check_cells(plan: list[Cell], config_argv: list[str]) -> None:
     """Every check a run makes before it reads its data, for each cell (run.check_config: the
-    config schema, init_from and the mesh); then a ConfigError when a grid value is refused in
-    every cell that has it, or two cells are one run: nothing is trained then."""
+    config schema, init_from and the mesh); then a ConfigError when an ablation (or the baseline)
+    is refused, a grid value is refused in every cell that has it, or two cells are one run:
+    nothing is trained then."""
     for cell in plan:
         if cell.refused is None:
-            try:
-                run.check_config(cell.config, explicit(cell, config_argv))
-            except RUN_ERRORS as error:
-                cell.refused = one_line(error, limit=2000)
+            cell.refused = _checked(cell.config, explicit(cell, config_argv))
+    _refuse_a_refused_ablation(plan, config_argv)
     if all(cell.refused for cell in plan):
         raise ConfigError(f"every cell of the sweep is refused, so nothing was trained; {plan[0].name}: "
                           f"{plan[0].refused}")
@@ -200,15 +240,44 @@ def check_cells(plan: list[Cell], config_argv: list[str]) -> None:
     _refuse_the_same_run_twice([cell for cell in plan if not cell.refused])
 
 
+def _refuse_a_refused_ablation(plan: list[Cell], config_argv: list[str]) -> None:
+    """Each ablation was asked for by name, so one the config refuses (a typo in a key or a value,
+    or a combination of its changes) stops the sweep, naming the change it refuses; so does a
+    refused baseline, which every ablation is measured against."""
+    cell = next((cell for cell in plan if cell.ablation is not None and cell.refused), None)
+    if cell is None:
+        return
+    if cell.ablation == BASELINE:
+        raise ConfigError(f"the config as it is (the cell {BASELINE}, which each ablation is measured against) is "
+                          f"refused ({cell.refused}): correct the config or its --config overrides; nothing was "
+                          "trained")
+    change, why = ",".join(f"{key}={value}" for key, value in cell.setting.items()), cell.refused
+    for key, value in cell.setting.items():  # the first change refused on its own, if one is
+        alone = [f"--config.{key}={value}"]
+        config, refused = _parsed(config_argv, [*alone, f"--config.train.seed={cell.seed}"])
+        refused = refused or _checked(config, overridden_keys([*config_argv, *alone]))
+        if refused:
+            change, why = f"{key}={value}", refused
+            break
+    raise ConfigError(f"--ablate {cell.ablation}: {change} is refused ({why}): correct it, or drop this --ablate; "
+                      "nothing was trained")
+
+
 def _refuse_the_same_run_twice(plan: list[Cell]) -> None:
-    """Two spellings of one value (True and true, 1e-3 and 0.001) make two cells of one run."""
-    seen = {}
+    """Two spellings of one value (True and true, 1e-3 and 0.001) make two cells of one run; so
+    does an ablation that changes nothing."""
+    seen: dict[str, Cell] = {}
     for cell in plan:
         key = json.dumps(as_asked(cell.config), sort_keys=True)
+        if key in seen and cell.ablation is not None:
+            why = ("the config has its values already" if seen[key].ablation == BASELINE
+                   else "their values mean the same")
+            raise ConfigError(f"--ablate {cell.ablation}: {cell.name} is the same run as {seen[key].name} ({why}): "
+                              "give each --ablate a change of its own")
         if key in seen:
-            raise ConfigError(f"cells {seen[key]} and {cell.name} are the same run (their values mean the same): "
+            raise ConfigError(f"cells {seen[key].name} and {cell.name} are the same run (their values mean the same): "
                               "list each value of --grid once")
-        seen[key] = cell.name
+        seen[key] = cell
 
 
 def explicit(cell: Cell, config_argv: list[str]) -> list[str]:
@@ -234,15 +303,10 @@ def finished(directory: Path, steps: int) -> bool:
 
 def run_cell(cell: Cell, out: Path, config_argv: list[str], record: dict) -> str:
     """Train one cell unless it finished with this very config; 'done', 'skipped (finished)',
-    'failed: …' or 'stopped'. A cell that trains to its end is recorded in OUT/cells.json; one
-    that finished with other settings is not this config's run, and is refused."""
+    'failed: …' or 'stopped'. A cell that trains to its end is recorded in OUT/cells.json."""
     asked = as_asked(cell.config)
-    if cell.name in record and finished(out / cell.name, cell.config.train.steps):
-        if record[cell.name] == asked:
-            return "skipped (finished)"
-        return (f"failed: {out / cell.name} finished with other settings ({differences(record[cell.name], asked)}, "
-                "trained → asked), so its results are not this sweep's: give another --out, or the settings it was "
-                "trained with")
+    if record.get(cell.name) == asked and finished(out / cell.name, cell.config.train.steps):
+        return "skipped (finished)"
     try:
         result = run.train(cell.config, explicit=explicit(cell, config_argv))
     except RUN_ERRORS as error:
@@ -268,6 +332,26 @@ def differences(saved: dict, asked: dict, shown: int = 3) -> str:
     return ", ".join(listed) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
+def refuse_another_sweep(plan: list[Cell], out: Path) -> None:
+    """A ConfigError when OUT holds a cell finished with settings this sweep does not train (OUT
+    holds another sweep, whose summary this one would replace); the same sweep again (or one with
+    more cells) goes on, skipping the cells it finished."""
+    cells_by_name = {cell.name: cell for cell in plan}
+    for name, trained in read_record(out).items():
+        cell = cells_by_name.get(name)
+        if cell is None:
+            what = f"its cell {name} is not one of this sweep's"
+        elif cell.refused:
+            what = f"its cell {name} is refused by this sweep's config: {cell.refused}"
+        elif trained != as_asked(cell.config):
+            what = f"its cell {name} was trained with other settings: {differences(trained, as_asked(cell.config))}"
+            what += ", trained → asked"
+        else:
+            continue
+        raise ConfigError(f"--out {out} holds another sweep ({what}): choose another --out, or give the settings "
+                          "it was run with to continue it; nothing was trained")
+
+
 def read_record(out: Path) -> dict:
     try:
         return json.loads((out / RECORD_FILE).read_text(encoding="utf-8"))
@@ -288,97 +372,15 @@ def train_cells(plan: list[Cell], out: Path, config_argv: list[str]) -> bool:
     return True
 
 
-# --- the summary ----------------------------------------------------------------------------
-
-
-def to_target(records: list[dict], target: float | None) -> tuple[int | None, float | None]:
-    """(step, training seconds) at the first evaluation at or below `target`: the seconds of the
-    log intervals up to it (each interval's tokens / its tokens/s: compile included, evaluations
-    and checkpoints not); (None, None) when none is, or there is no target."""
-    seconds, tokens = 0.0, 0
-    for r in records:
-        seconds += (r["tokens_seen"] - tokens) / max(r["tokens_per_sec"], 1e-9)
-        tokens = r["tokens_seen"]
-        if target is not None and r.get("val_loss") is not None and r["val_loss"] <= target:
-            return r["step"], seconds
-    return None, None
-
-
-def summarize(out: Path, plan: list[Cell], target: float | None = None
-              ) -> tuple[list[dict], dict[str, list[tuple[int, float]]]]:
-    """A row per cell trained as asked in this sweep and evaluated, and its validation loss against step."""
-    rows, curves = [], {}
-    for cell in plan:
-        if not cell.trained_as_asked:
-            continue
-        records = metrics.current_records(metrics.read_metrics(out / cell.name))
-        evaluated = [r for r in records if r.get("val_loss") is not None]
-        if not evaluated:
-            continue
-        model = json.loads((out / cell.name / run.CONFIG_FILE).read_text())["model"]
-        rows.append({"cell": cell.name, "seed": cell.seed, "final_val_loss": evaluated[-1]["val_loss"],
-                     "best_val_loss": min(r["val_loss"] for r in evaluated), "val_bpb": evaluated[-1]["val_bpb"],
-                     "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in records),
-                     "params": param_count(GPTConfig.from_dict(model)), "steps": records[-1]["step"]})
-        rows[-1]["steps_to_target"], rows[-1]["seconds_to_target"] = to_target(records, target)
-        curves[cell.name] = [(r["step"], r["val_loss"]) for r in evaluated]
-    return rows, curves
-
-
-def summary_table(rows: list[dict]) -> list[str]:
-    """summary.md's table: a row per setting, mean ± std over its seeds."""
-    settings: dict[str, list[dict]] = {}
-    for row in rows:
-        settings.setdefault(row["cell"].rsplit(",seed=", 1)[0], []).append(row)
-    target = any(row["steps_to_target"] is not None for row in rows)
-    lines = ["| setting | seeds | final val loss | best val loss | val bpb | tokens/s | params |"
-             + (" steps to target | seconds to target |" if target else ""),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if target else "")]
-    for setting, group in settings.items():
-        def stat(key, fmt, rows=group):
-            values = [r[key] for r in rows]
-            spread = f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else ""
-            return f"{statistics.mean(values):{fmt}}{spread}"
-
-        line = (f"| {setting} | {len(group)} | {stat('final_val_loss', '.4f')} | {stat('best_val_loss', '.4f')} "
-                f"| {stat('val_bpb', '.3f')} | {stat('tokens_per_sec', ',.0f')} | {group[0]['params']:,} |")
-        if target:
-            reached = [r for r in group if r["steps_to_target"] is not None]
-            line += (f" {stat('steps_to_target', '.0f', reached)} | {stat('seconds_to_target', '.1f', reached)} |"
-                     + (f" ({len(reached)} of {len(group)} seeds)" if len(reached) < len(group) else "")
-                     if reached else " not reached | not reached |")
-        lines.append(line)
-    return lines
-
-
-def left_out(plan: list[Cell]) -> list[str]:
-    """summary.md's lines for the cells that are not in its table, and why."""
-    lines = [f"- {cell.name}: refused by the config: {cell.refused}" for cell in plan if cell.refused]
-    lines += [f"- {cell.name}: {cell.status}" for cell in plan if cell.status.startswith("failed")]
-    return ["", "Not in this table:", *lines] if lines else []
-
-
-def write_summary(out: Path, plan: list[Cell], target: float | None = None) -> None:
-    """summary.csv, summary.md and val_loss.png of the cells this sweep trained as asked (a
-    picture left by an earlier sweep with no such cell is removed)."""
-    rows, curves = summarize(out, plan, target)
-    with open(out / "summary.csv", "w", newline="") as file:
-        writer = csv.DictWriter(file, COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "summary.md").write_text("\n".join([*summary_table(rows), *left_out(plan)]) + "\n")
-    if curves:
-        viz.plot_curves(curves, out / "val_loss.png", title=out.name)
-    else:
-        (out / "val_loss.png").unlink(missing_ok=True)
-
-
 # --- the command line -----------------------------------------------------------------------
 
 
 def sweep(args, config_argv: list[str]) -> list[Cell] | None:
     """Plan, check and train the sweep, then write its summary; None when a signal stopped it."""
     out = Path(args.out)
+    if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
+        raise ConfigError(f"--target_loss {args.target_loss:g}: a target loss must be a finite positive number "
+                          "(a validation loss, e.g. 1.9)")
     if bool(args.grid) == bool(args.ablate):
         raise ConfigError("give --grid KEY=V1,V2,… (a product of settings) or --ablate NAME:KEY=V,… (each change "
                           "alone against the config as it is), one of the two")
@@ -389,6 +391,7 @@ def sweep(args, config_argv: list[str]) -> list[Cell] | None:
     if first is not None:
         sharding.start_jax(first)  # once, before JAX starts: the cells share the process
     check_cells(plan, config_argv)
+    refuse_another_sweep(plan, out)
     for cell in plan:
         if cell.refused:
             print(f"[left out] {cell.name}: refused by the config: {cell.refused}", file=sys.stderr)

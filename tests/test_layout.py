@@ -32,6 +32,7 @@ LAYERS = (
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
     ("run", "completions", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
     ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
+    ("sweep_summary",),  # a sweep's summary.csv, summary.md and val_loss.png, from its cells' run directories
     ("analysis", "export", "sweep", "harness"),  # harness: the lm-evaluation-harness's model "jaxgpt"
     ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside
 )

@@ -1,7 +1,7 @@
 """A sweep: the cells of a grid are ordinary runs, every cell is checked before the first trains,
 the summary has a row per cell trained as asked (and names the others), a rerun skips the cells
-finished with the same config and refuses those finished with another, and bad grids are refused
-in one line with nothing trained."""
+finished with the same config, another sweep into the same directory is refused with its summary
+kept, and bad grids, ablations and targets are refused in one line with nothing trained."""
 
 import csv
 import json
@@ -10,7 +10,8 @@ import shutil
 import pytest
 from test_run import ROOT, write_corpus
 
-from jaxgpt.sweep import main, to_target
+from jaxgpt.sweep import main
+from jaxgpt.sweep_summary import to_target
 
 TINY = ["--config.model.n_layer=1", "--config.model.n_head=2", "--config.model.d_model=16",
         "--config.model.block_size=16", "--config.train.steps=2", "--config.train.eval_every=2",
@@ -64,21 +65,38 @@ def test_a_sweep_writes_its_summary_and_resumes_without_redoing_cells(base, fini
     assert metrics == {c: (finished / c / "metrics.jsonl").read_text() for c in metrics}
 
 
-def test_a_rerun_with_other_settings_refuses_the_cells_instead_of_reporting_their_old_results(
-        base, finished, tmp_path, capsys):
+def summaries(out):
+    return {name: (out / name).read_bytes() for name in ("summary.md", "summary.csv", "val_loss.png")}
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--config.model.d_model=32"], f"its cell {min(TRAINED)} was trained with other settings: model.d_model: 16 → 32, "
+                                    "trained → asked"),
+    (["--grid", "model.positions=learned,rope"], f"its cell {min(TRAINED)} is not one of this sweep's"),
+])
+def test_another_sweep_into_a_finished_sweeps_directory_is_refused_and_its_summary_kept(
+        base, finished, tmp_path, capsys, args, why):
     out = tmp_path / "moved"  # a copy: the sweep's directory may be moved
     shutil.copytree(finished, out)
-    metrics = {c: (out / c / "metrics.jsonl").read_text() for c in TRAINED}
+    kept = summaries(out), {c: (out / c / "metrics.jsonl").read_text() for c in TRAINED}
     capsys.readouterr()
-    assert main([*base, *NORMS, "--out", str(out), "--config.model.d_model=32"]) == 1
+    grid = [] if "--grid" in args else NORMS
+    assert main([*base, *grid, "--out", str(out), *args]) == 2
     err = capsys.readouterr().err
-    *cells, last = err.strip().splitlines()
-    assert sum("finished with other settings (model.d_model: 16 → 32, trained → asked)" in c for c in cells) == 3
-    assert last.startswith("jaxgpt.sweep: error: 3 of 4 cells failed")
-    assert summary_rows(out) == []  # the old cells' results are not this sweep's
-    summary = (out / "summary.md").read_text()
-    assert all(f"- {cell}: failed: " in summary for cell in TRAINED) and not (out / "val_loss.png").exists()
-    assert metrics == {c: (out / c / "metrics.jsonl").read_text() for c in metrics}
+    assert err == (f"jaxgpt.sweep: error: --out {out} holds another sweep ({why}): choose another --out, or give the "
+                   "settings it was run with to continue it; nothing was trained\n")
+    assert kept == (summaries(out), {c: (out / c / "metrics.jsonl").read_text() for c in TRAINED})
+
+
+def test_a_target_no_cell_reaches_keeps_its_columns_and_says_not_reached(base, finished, tmp_path, capsys):
+    out = tmp_path / "again"
+    shutil.copytree(finished, out)
+    assert main([*base, *NORMS, "--target_loss", "0.001", "--out", str(out)]) == 0  # the same sweep: nothing trains
+    assert capsys.readouterr().err.count("skipped (finished)") == 3
+    table = (out / "summary.md").read_text().splitlines()[:5]
+    assert table[0].endswith("| params | steps to target | seconds to target |") and table[1].count("---") == 9
+    assert all(line.endswith("| not reached | not reached |") for line in table[2:])
+    assert [(r["steps_to_target"], r["seconds_to_target"]) for r in summary_rows(out)] == [("", "")] * 3
 
 
 def test_a_grid_value_init_from_would_replace_is_refused_before_any_cell_trains(base, finished, tmp_path, capsys):
@@ -109,6 +127,24 @@ def test_a_grid_value_init_from_would_replace_is_refused_before_any_cell_trains(
     (["--ablate", "all:model.bias=False"], "--ablate all: the name is taken by the baseline"),
     (["--ablate", "a:train.seed=3"], "--ablate a changes train.seed, which the sweep or the command line sets"),
     (["--ablate", "a:model.bias=False", "--grid", "model.bias=False,True"], "give --grid KEY=V1,V2,… (a product"),
+    (["--grid", "model.qk_norm=False,Ture"], "--grid model.qk_norm=Ture is refused in every cell (model.qk_norm takes "
+                                             "True or False, not 'Ture'): correct or drop the value"),
+    (["--ablate", "a:model.nonexist=3"], "--ablate a: model.nonexist=3 is refused (no key 'model.nonexist'): correct "
+                                         "it, or drop this --ablate; nothing was trained"),
+    (["--ablate", "b:model.bias=True,model.qk_norm=Ture"],
+     "--ablate b: model.qk_norm=Ture is refused (model.qk_norm takes True or False, not 'Ture'): correct it, or drop "
+     "this --ablate; nothing was trained"),
+    (["--ablate", "c:model.norm_position=post,model.parallel_block=True"],
+     "--ablate c: model.norm_position=post,model.parallel_block=True is refused (GPTConfig.parallel_block=True"),
+    (["--config.model.norm_position=post", "--config.model.parallel_block=True", "--ablate",
+      "bias:model.bias=True"], "the config as it is (the cell all, which each ablation is measured against) "
+                                      "is refused (GPTConfig.parallel_block=True"),
+    (["--ablate", "d:model.bias=False"], "--ablate d: d,seed=0 is the same run as all,seed=0 (the config has its "
+                                         "values already): give each --ablate a change of its own"),
+    (["--grid", "model.bias=False,True", "--target_loss", "nan"],
+     "--target_loss nan: a target loss must be a finite positive number"),
+    (["--ablate", "b:model.bias=True", "--target_loss", "-3"],
+     "--target_loss -3: a target loss must be a finite positive number"),
     (["--grid", "model.bias=False,True", "--out", "{file}"],
      "cannot write in {file} (a file, not a directory): choose another --out"),
 ])
