@@ -1,16 +1,17 @@
 """Compile, without running them, the programs a config's run would run, and say what they cost:
 
     python -m jaxgpt.compile --config=configs/gpt2_124m.py --topology=v5e:2x4 [--config.KEY=VALUE …]
-        [--chips_per_host=2x4] [--json=PATH]
+        [--chips_per_host=2x4] [--json=PATH]      (each also as --option VALUE; --help: the usage)
 
 The train step exactly as train.py builds it (run.lower_train_step: its mesh, grad_accum,
 remat, dtype, attention kernel, scan_layers), the eval step as evaluation.py jits it, and
 the jitted generate with its KV cache (one prompt of one bucket), each compiled for a TPU
 topology through libtpu (no TPU needed, however many hosts it has) or, with no --topology
-(or `train.py --config.compile_only=True`), for this process's devices. Nothing is
+(or `train.py --config.compile_only=True`), for this process's devices (on a CPU,
+mesh.cpu_devices of them, as train.py makes them). Nothing is
 allocated: the state is abstract_state's shapes. One table per device: the memory of each
-program (parameters, optimizer state, batch, temporaries, outputs, XLA's peak) against the
-chip's HBM, XLA's FLOPs and bytes accessed, a roofline bound on the time (the larger of
+program (the parts XLA allocates and their sum, and XLA's peak beside them: memory_figures)
+against the chip's HBM, XLA's FLOPs and bytes accessed, a roofline bound on the time (the larger of
 FLOPs / peak and bytes / bandwidth) with the tokens/s and MFU it allows (upper bounds from
 the compiler's counts), and the collectives of the compiled program by kind.
 """
@@ -29,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from jaxgpt.compile_table import GiB, format_report, size
 from jaxgpt.platforms import tpu_present
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
@@ -42,7 +44,6 @@ class Chip:
     bandwidth: float  # HBM, bytes/s
 
 
-GiB = 2**30
 CHIPS = {
     "v4": Chip(32 * GiB, 275e12, 1.2e12),
     "v5e": Chip(16 * GiB, 197e12, 0.82e12),
@@ -152,6 +153,7 @@ class Program:
     tokens: int  # tokens one execution processes (all devices)
     model_flops: float | None  # the model's FLOPs in one execution (all devices), None: not reported
     loop: int = 1  # XLA counts a loop's body once: the train step's figures × grad_accum (its micro-batches)
+    platform: str = "tpu"  # of the devices it is compiled for: how to read XLA's memory figures (memory_figures)
 
 
 def per_device_bytes(tree) -> int:
@@ -200,7 +202,7 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
     train = Program("train step", _compiled(lowered, "train step"),
                     {"parameters": per_device_bytes(abstract.params),
                      "optimizer state": per_device_bytes(abstract.opt_state), "batch": batch},
-                    tokens, per_token * tokens, loop=train_cfg.grad_accum)
+                    tokens, per_token * tokens, loop=train_cfg.grad_accum, platform=platform)
     with jax.set_mesh(mesh):  # as train.py runs them (run.train)
         evaluation = _eval_program(gpt, mesh, abstract.params, train_cfg.eval_batch_size, packed, per_token / 3)
         generate = _generate_program(gpt, mesh, abstract.params, config.sample)
@@ -250,7 +252,8 @@ def _eval_program(gpt, mesh, params, rows: int, packed: bool, flops_per_token: f
     tokens = rows * gpt.cfg.block_size
     return Program("eval step", _compiled(lowered, "eval step"),
                    {"parameters": per_device_bytes(params), "optimizer state": 0,
-                    "batch": per_device_bytes((inputs, targets, mask, *rest))}, tokens, flops_per_token * tokens)
+                    "batch": per_device_bytes((inputs, targets, mask, *rest))}, tokens, flops_per_token * tokens,
+                   platform=mesh.devices.flat[0].platform)
 
 
 def _generate_program(gpt, mesh, params, sample) -> Program:
@@ -275,7 +278,8 @@ def _generate_program(gpt, mesh, params, sample) -> Program:
     lowered = sampling.lower_generate(params, gpt.cfg, prompts, lengths, keys, options, gpt.compute)
     return Program("generate", _compiled(lowered, "generate"),
                    {"parameters": per_device_bytes(params), "optimizer state": 0,
-                    "batch": per_device_bytes((prompts, lengths))}, 0, None)  # its decoding loop: no roofline
+                    "batch": per_device_bytes((prompts, lengths))}, 0, None,  # its decoding loop: no roofline
+                   platform=mesh.devices.flat[0].platform)
 
 
 # --- the figures ----------------------------------------------------------------------------
@@ -314,19 +318,43 @@ def _shape_bytes(shape: re.Match) -> int:
     return math.prod(int(d) for d in shape["dims"].split(",") if d) * bits // 8
 
 
-def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]:
-    """The report of one program, per device."""
+def memory_figures(program: Program) -> dict[str, Any]:
+    """The memory of one program per device, from XLA's memory analysis: the parts it
+    allocates, which add up to `sum`, and XLA's `peak`, a measure of its own (the most
+    bytes live at once), beside them; `total`: the one that must fit the device (`total_from`).
+
+    XLA's argument bytes are the parameters, optimizer state and batch as laid out on the
+    mesh (program.inputs) and the rest (other_arguments: scalar arguments such as keys or
+    step counts, and the padding of the device's layout, e.g. a TPU's tiles). Outputs count
+    only where they do not reuse a donated argument's buffer (output − alias). Temporaries:
+    XLA's temp count; generated code: the program's own (in device memory on a TPU).
+
+    XLA's peak (its heap simulation over the program's schedule) shares memory between
+    buffers never live together, so it can be below the sum, and it is what must fit; on a
+    CPU it counts the arguments, outputs and constants but not the preallocated temporaries,
+    so there the sum is the total. A TPU's temp count may be 0 while its peak counts them."""
     memory = program.compiled.memory_analysis()
+    parts = {**{key.replace(" ", "_"): value for key, value in program.inputs.items()},
+             "other_arguments": memory.argument_size_in_bytes - sum(program.inputs.values()),
+             "outputs": memory.output_size_in_bytes - memory.alias_size_in_bytes,
+             "temporaries": memory.temp_size_in_bytes,
+             "generated_code": getattr(memory, "generated_code_size_in_bytes", 0)}
+    whole = sum(parts.values())
+    peak = getattr(memory, "peak_memory_in_bytes", 0) or None
+    from_peak = peak is not None and program.platform != "cpu"
+    return {**parts, "sum": whole, "peak": peak, "total": peak if from_peak else whole,
+            "total_from": "peak" if from_peak else "sum"}
+
+
+def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]:
+    """The report of one program, per device: its memory (memory_figures), XLA's counts."""
     cost = program.compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
-    total = getattr(memory, "peak_memory_in_bytes", 0) or (memory.argument_size_in_bytes + outputs
-                                                           + memory.temp_size_in_bytes)
-    result = {**{key.replace(" ", "_"): value for key, value in program.inputs.items()},
-              "temporaries": memory.temp_size_in_bytes, "outputs": outputs, "total": total,
+    result = {**memory_figures(program),
               "flops": program.loop * float(cost.get("flops", 0.0)),
               "bytes_accessed": program.loop * float(cost.get("bytes accessed", 0.0)),
               "tokens": program.tokens, "collectives": collectives(program.compiled.as_text())}
+    total = result["total"]
     if chip and chip.hbm:
         result.update(hbm=chip.hbm, fits=total <= chip.hbm, margin=chip.hbm - total)
     if chip and chip.flops and program.tokens:
@@ -351,62 +379,6 @@ def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
             "programs": {p.name: figures(p, chip, len(devices)) for p in programs}}
 
 
-# --- the table ------------------------------------------------------------------------------
-
-
-def _size(n) -> str:
-    if n is None:
-        return "-"
-    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB / 10 else f"{n / 2**20:.2f} MiB" if abs(n) >= 2**20 / 10 \
-        else f"{n / 1024:.1f} KiB"
-
-
-def _rows(result: dict) -> list[list[str]]:
-    programs = result["programs"].values()
-
-    def row(label, render):
-        return [label, *(render(p) for p in programs)]
-
-    rows = [row(label, lambda p, k=key: _size(p[k])) for label, key in (
-        ("parameters", "parameters"), ("optimizer state", "optimizer_state"), ("batch", "batch"),
-        ("temporaries", "temporaries"), ("outputs", "outputs"), ("total (XLA's peak)", "total"))]
-    if result["chip_figures"] and result["chip_figures"]["hbm"]:
-        rows.append(row(f"HBM of a {result['chip']}", lambda p: _size(p["hbm"])))
-        rows.append(row("fits", lambda p: f"{'yes' if p['fits'] else 'NO'}, {_size(abs(p['margin']))} "
-                                          f"{'spare' if p['fits'] else 'over'}"))
-    rows.append(row("XLA FLOPs", lambda p: f"{p['flops']:.4g}"))
-    rows.append(row("XLA bytes accessed", lambda p: _size(p["bytes_accessed"])))
-    if result["chip_figures"] and result["chip_figures"]["flops"]:
-        rows.append(row("roofline bound (s)", lambda p: f"{p['roofline_seconds']:.4g}" if "roofline_seconds" in p
-                        else "-"))
-        rows.append(row("tokens/s ≤ (upper bound)", lambda p: f"{p['tokens_per_second_bound']:,.0f}"
-                        if p.get("tokens_per_second_bound") else "-"))
-        rows.append(row("MFU ≤ (upper bound)", lambda p: f"{p['mfu_bound']:.1%}" if "mfu_bound" in p else "-"))
-    for kind in COLLECTIVES:
-        rows.append(row(kind, lambda p, k=kind: f"{p['collectives'][k]['count']} × "
-                                                f"{_size(p['collectives'][k]['bytes'])}"
-                        if p["collectives"][k]["count"] else "-"))
-    return rows
-
-
-def format_report(result: dict) -> str:
-    """The report as one plain-text table, per device, a column per program."""
-    header = ["per device", *result["programs"]]
-    lines = [header, *_rows(result)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = [f"{result['where']}: {result['devices']} devices ({result['chip']}), {result['processes']} "
-            f"process(es), mesh {result['mesh']}"]
-    for k, line in enumerate(lines):
-        cells = enumerate(zip(line, widths, strict=True))
-        text.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in cells))
-        if k == 0:
-            text.append("  ".join("-" * w for w in widths))
-    text.append("Roofline, tokens/s and MFU: upper bounds from XLA's counts, which count a loop's body once: the "
-                "train step's are × grad_accum (the update's share overcounted), generate's decoding loop has none, "
-                "and compute.scan_layers undercounts the layers. Collectives: the program's instructions.")
-    return "\n".join(text)
-
-
 def print_and_check(result: dict, json_path: str | None = None) -> int:
     """Print the table (and write --json); 2 with a one-line error when the train step does
     not fit the chip's HBM, else 0."""
@@ -416,36 +388,40 @@ def print_and_check(result: dict, json_path: str | None = None) -> int:
     train = result["programs"]["train step"]
     if train.get("fits", True):
         return 0
-    print(f"jaxgpt.compile: the train step needs {_size(train['total'])} per device, {_size(-train['margin'])} "
-          f"more than the {_size(train['hbm'])} of a {result['chip']}: {KNOBS}", file=sys.stderr)
+    print(f"jaxgpt.compile: the train step needs {size(train['total'])} per device, {size(-train['margin'])} "
+          f"more than the {size(train['hbm'])} of a {result['chip']}: {KNOBS}", file=sys.stderr)
     return 2
 
 
 # --- the command line -----------------------------------------------------------------------
 
 
-def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """(--topology, --chips_per_host, --json) of argv, and the rest for the config parser."""
-    options, rest = {}, []
-    for arg in argv:
-        name, _, value = arg.partition("=")
-        if name in ("--topology", "--chips_per_host", "--json"):
-            options[name[2:]] = value
-        else:
-            rest.append(arg)
-    return options, rest
+def local_devices(config) -> list:
+    """This process's devices as train.py makes them: on a CPU, mesh.cpu_devices of them
+    (sharding.use_cpu_cores), set before JAX's backend starts."""
+    import jax
+
+    from jaxgpt import sharding
+
+    sharding.use_cpu_cores(config.mesh, [config.train.batch_size, config.train.eval_batch_size])
+    return list(jax.devices())
 
 
 def main(argv: list[str] | None = None) -> int:
     from jaxgpt.cli import parse_config
+    from jaxgpt.compile_args import parse_args, usage, wants_help
     from jaxgpt.errors import one_line, tidy_cli_output
 
-    options, rest = split_options(sys.argv if argv is None else argv)
+    argv = sys.argv if argv is None else argv
+    if wants_help(argv):
+        print(usage(known_topologies()))
+        return 0
     try:
-        config = parse_config(rest, DEFAULT_CONFIG)
+        options, config_argv = parse_args(argv)
+        config = parse_config(config_argv, DEFAULT_CONFIG)
         tidy_cli_output()
         topology = options.get("topology")
-        devices = topology_devices(topology, options.get("chips_per_host")) if topology else None
+        devices = topology_devices(topology, options.get("chips_per_host")) if topology else local_devices(config)
         result = report(config, devices, f"TPU topology {topology}" if topology else None)
     except ValueError as error:
         print(f"jaxgpt.compile: {one_line(error, limit=2000)}", file=sys.stderr)

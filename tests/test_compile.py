@@ -74,9 +74,72 @@ def test_data_parallel_all_reduces_the_gradients(reports):
 
 def test_table_has_every_figure(reports):
     table = ahead.format_report(reports["data"])
-    for label in ("parameters", "optimizer state", "batch", "temporaries", "outputs", "total", "XLA FLOPs",
+    for label in ("parameters", "optimizer state", "batch", "other arguments", "outputs", "temporaries",
+                  "generated code", "sum of the rows above", "XLA's peak", "XLA FLOPs",
                   "XLA bytes accessed", *ahead.COLLECTIVES):
         assert label in table
+
+
+MEMORY_PARTS = ("parameters", "optimizer_state", "batch", "other_arguments", "outputs", "temporaries",
+                "generated_code")
+
+
+def test_memory_parts_add_up_and_the_peak_is_a_measure_of_its_own(reports):
+    """The rows that are parts sum to the row that is their sum; XLA's peak, beside them, is
+    at least the arguments and outputs (live together when the program ends), and on a CPU,
+    whose peak leaves the temporaries out, the total that must fit is the sum."""
+    for report in reports.values():
+        for name, figures in report["programs"].items():
+            assert sum(figures[part] for part in MEMORY_PARTS) == figures["sum"], name
+            assert figures["other_arguments"] >= 0 and figures["outputs"] >= 0, name
+            arguments = sum(figures[part] for part in ("parameters", "optimizer_state", "batch", "other_arguments"))
+            assert figures["peak"] >= arguments + figures["outputs"], name
+            assert figures["total_from"] == "sum" and figures["total"] == figures["sum"] >= figures["temporaries"]
+    table = ahead.format_report(reports["data"]).splitlines()
+    assert not any(line.startswith("total") for line in table)
+    train = reports["data"]["programs"]["train step"]
+    assert next(line for line in table if line.startswith("sum of the rows above")).split()[5:7] == \
+        ahead.size(train["sum"]).split()
+    assert any(line.startswith("XLA's peak (a CPU's: no temps)") for line in table)
+
+
+class FakeMemory:
+    """XLA's memory analysis of a program as a TPU reports it (v5e:2x2, the tiny model): the
+    train step's temporaries counted 0 while its peak counts them, generate's counted more
+    than are live at once."""
+
+    def __init__(self, temp: int, peak: int):
+        self.argument_size_in_bytes, self.output_size_in_bytes, self.alias_size_in_bytes = 1885184, 1879040, 1876992
+        self.temp_size_in_bytes, self.generated_code_size_in_bytes, self.peak_memory_in_bytes = temp, 1900544, peak
+
+
+class FakeCompiled:
+    def __init__(self, memory: FakeMemory):
+        self.memory = memory
+
+    def memory_analysis(self):
+        return self.memory
+
+    def cost_analysis(self):
+        return {"flops": 1e9, "bytes accessed": 1e6}
+
+    def as_text(self):
+        return ""
+
+
+@pytest.mark.parametrize("temp,peak", [(0, 7156224), (1645568, 1470976)])
+def test_a_tpu_program_must_fit_its_peak_beside_the_sum_of_its_parts(temp, peak):
+    inputs = {"parameters": 476416, "optimizer state": 952840, "batch": 4096}
+    program = ahead.Program("train step", FakeCompiled(FakeMemory(temp, peak)), inputs, 2048, 1e9, platform="tpu")
+    figures = ahead.figures(program, ahead.CHIPS["v5e"], 4)
+    assert figures["other_arguments"] == 1885184 - sum(inputs.values()) and figures["outputs"] == 2048
+    assert figures["sum"] == 1885184 + 2048 + temp + 1900544 == sum(figures[part] for part in MEMORY_PARTS)
+    assert figures["peak"] == figures["total"] == peak and figures["total_from"] == "peak"
+    assert figures["margin"] == 16 * 2**30 - peak
+    result = {"where": "v5e:2x2", "devices": 4, "chip": "v5e", "processes": 1, "mesh": {"data": 4},
+              "chip_figures": {"hbm": 16 * 2**30, "flops": 0.0}, "programs": {"train step": figures}}
+    table = ahead.format_report(result)
+    assert "XLA's peak (live at once)" in table and "fits (its peak)" in table and "total" not in table
 
 
 def test_collectives_parse_hlo_lines():
@@ -105,12 +168,20 @@ ENTRY %main (p: f32[64,16]) -> f32[8,16] {
     assert found["reduce-scatter"] == {"count": 1, "bytes": 8 * 16 * 4}  # the fused one, its inside not counted
 
 
+def command(*argv, devices: int | None = 8) -> subprocess.CompletedProcess:
+    """`python -m jaxgpt.compile ARGV` on the CPU, with `devices` CPU devices forced through
+    XLA_FLAGS (None: none forced, the config's mesh.cpu_devices decides)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return subprocess.run([sys.executable, "-m", "jaxgpt.compile", *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
 def run_main(*argv):
     """(exit status, standard error) of `python -m jaxgpt.compile ARGV` with 8 CPU devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "jaxgpt.compile", *argv], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = command(*argv)
     return done.returncode, done.stderr.strip()
 
 
@@ -128,6 +199,66 @@ def test_mesh_that_does_not_divide_the_devices():
 def test_vocab_size_must_be_given():
     code, err = run_main("--config.model.vocab_size=0")
     assert code == 2 and "model.vocab_size" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_the_options(flag):
+    done = command(flag, "--topology=v9:2x2")
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-2000:]
+    assert done.stdout.startswith("usage: python -m jaxgpt.compile")
+    for option in ("--config=FILE", "--config.KEY=VALUE", "--topology=CHIP:SHAPE", "--chips_per_host=AxB",
+                   "--json=PATH", "--option VALUE", "v5e:{", "mesh.cpu_devices"):
+        assert option in done.stdout, option
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--topolgy=v5e:2x4"], "unknown option --topolgy=v5e:2x4 (did you mean --topology?)"),
+    (["--config.model.vocab_size=256", "stray"], "unexpected argument 'stray'"),
+    (["--json"], "--json needs a value"),
+    (["--topology", "--json=out.json"], "--topology needs a value"),
+    (["--chips_per_host=2x4"], "--chips_per_host lays out a TPU topology's hosts"),
+])
+def test_refuses_what_it_does_not_understand_in_one_line(argv, says):
+    code, err = run_main(*argv, *TINY)
+    assert code == 2 and err.startswith(f"jaxgpt.compile: {says}") and len(err.splitlines()) == 1, err
+
+
+def test_space_separated_topology_is_the_topology():
+    code, err = run_main("--topology", "v9:2x2", *TINY)
+    assert code == 2 and err.startswith("jaxgpt.compile: unknown topology 'v9:2x2'") and len(err.splitlines()) == 1
+
+
+def test_parse_args_reads_both_forms():
+    from jaxgpt.compile_args import parse_args
+
+    options, config_argv = parse_args(["compile", "--topology", "v5e:4x4", "--chips_per_host", "2x4", "--json",
+                                       "out.json", "--config", "configs/gpt2_124m.py", "--config.mesh.data", "-1",
+                                       "--config.data.cache_dir", "None", "--config.compute.scan_layers",
+                                       "--config.model.n_layer=3"])
+    assert options == {"topology": "v5e:4x4", "chips_per_host": "2x4", "json": "out.json"}
+    assert config_argv == ["compile", "--config=configs/gpt2_124m.py", "--config.mesh.data=-1",
+                           "--config.data.cache_dir=None", "--config.compute.scan_layers", "--config.model.n_layer=3"]
+
+
+def test_local_compile_makes_the_cpu_devices_of_the_config(tmp_path):
+    out = tmp_path / "report.json"
+    done = command(*TINY, "--config.mesh.cpu_devices=2", f"--json={out}", devices=None)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("2 local cpu device(s): 2 devices")
+    report = json.loads(out.read_text())
+    assert report["devices"] == 2 and report["mesh"]["data"] == 2
+
+
+def test_space_separated_config_and_json(tmp_path):
+    """Every argument as `--name VALUE`: the config file, its overrides and --json; the
+    config's cpu_devices wins over XLA_FLAGS' 8."""
+    out = tmp_path / "report.json"
+    spaced = [part for arg in TINY for part in arg.split("=", 1)]
+    done = command("--config", str(ahead.DEFAULT_CONFIG), *spaced, "--config.mesh.cpu_devices", "2", "--json",
+                   str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["devices"] == 2 and report["programs"]["train step"]["parameters"] == expected_param_bytes(1)
 
 
 @pytest.mark.skipif(bool(ahead.importlib.util.find_spec("libtpu")), reason="libtpu is installed here")

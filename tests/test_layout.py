@@ -31,6 +31,7 @@ LAYERS = (
     ("evaluation", "sampling", "beam", "rundir", "likelihood"),  # likelihood: scores of continuations and texts
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
     ("run", "completions", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
+    ("compile_args", "compile_table"),  # jaxgpt.compile's command line and its report's table
     ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
     ("sweep_summary",),  # a sweep's summary.csv, summary.md and val_loss.png, from its cells' run directories
     ("analysis", "export", "sweep", "harness"),  # harness: the lm-evaluation-harness's model "jaxgpt"

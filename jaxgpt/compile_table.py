@@ -1,0 +1,81 @@
+"""The report of jaxgpt.compile as one plain-text table per device, a column per program:
+each program's memory (its parts down to their sum, then XLA's peak beside them, the HBM and
+whether it fits), XLA's counts with the roofline bounds they allow, and the collectives."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+
+def size(n) -> str:
+    """Bytes as GiB, MiB or KiB; None as -."""
+    if n is None:
+        return "-"
+    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB / 10 else f"{n / 2**20:.2f} MiB" if abs(n) >= 2**20 / 10 \
+        else f"{n / 1024:.1f} KiB"
+
+
+# (label, key) of the parts of a program's memory (jaxgpt.compile.memory_figures), then of their sum
+MEMORY_ROWS = (("parameters", "parameters"), ("optimizer state", "optimizer_state"), ("batch", "batch"),
+               ("other arguments, padding", "other_arguments"), ("outputs (not donated)", "outputs"),
+               ("temporaries (XLA's count)", "temporaries"), ("generated code", "generated_code"),
+               ("sum of the rows above", "sum"))
+PEAK_ROWS = {"peak": "XLA's peak (live at once)", "sum": "XLA's peak (a CPU's: no temps)"}
+MEMORY_NOTES = {
+    "peak": "Memory: the parts XLA allocates down to their sum; XLA's peak is a measure of its own, the most bytes "
+            "live at once (buffers never live together share memory), and what must fit; a TPU's count of "
+            "temporaries may be 0 while its peak counts them.",
+    "sum": "Memory: the parts XLA allocates down to their sum, which is what must fit; XLA's peak is a measure of "
+           "its own, which on a CPU counts the arguments, outputs and constants but not the temporaries.",
+}
+
+
+def _total_from(result: dict) -> str:
+    """'peak' or 'sum': which of a report's memory figures must fit the device."""
+    return next(iter(result["programs"].values()))["total_from"]
+
+
+def _rows(result: dict) -> list[list[str]]:
+    programs = result["programs"].values()
+
+    def row(label, render):
+        return [label, *(render(p) for p in programs)]
+
+    rows = [row(label, lambda p, k=key: size(p[k])) for label, key in MEMORY_ROWS]
+    rows.append(row(PEAK_ROWS[_total_from(result)], lambda p: size(p["peak"])))
+    if result["chip_figures"] and result["chip_figures"]["hbm"]:
+        rows.append(row(f"HBM of a {result['chip']}", lambda p: size(p["hbm"])))
+        rows.append(row(f"fits (its {_total_from(result)})", lambda p: f"{'yes' if p['fits'] else 'NO'}, "
+                        f"{size(abs(p['margin']))} {'spare' if p['fits'] else 'over'}"))
+    rows.append(row("XLA FLOPs", lambda p: f"{p['flops']:.4g}"))
+    rows.append(row("XLA bytes accessed", lambda p: size(p["bytes_accessed"])))
+    if result["chip_figures"] and result["chip_figures"]["flops"]:
+        rows.append(row("roofline bound (s)", lambda p: f"{p['roofline_seconds']:.4g}" if "roofline_seconds" in p
+                        else "-"))
+        rows.append(row("tokens/s ≤ (upper bound)", lambda p: f"{p['tokens_per_second_bound']:,.0f}"
+                        if p.get("tokens_per_second_bound") else "-"))
+        rows.append(row("MFU ≤ (upper bound)", lambda p: f"{p['mfu_bound']:.1%}" if "mfu_bound" in p else "-"))
+    for kind in next(iter(programs))["collectives"]:  # jaxgpt.compile.COLLECTIVES, in order
+        rows.append(row(kind, lambda p, k=kind: f"{p['collectives'][k]['count']} × "
+                                                f"{size(p['collectives'][k]['bytes'])}"
+                        if p["collectives"][k]["count"] else "-"))
+    return rows
+
+
+def format_report(result: dict) -> str:
+    """The report as one plain-text table, per device, a column per program."""
+    header = ["per device", *result["programs"]]
+    lines = [header, *_rows(result)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = [f"{result['where']}: {result['devices']} devices ({result['chip']}), {result['processes']} "
+            f"process(es), mesh {result['mesh']}"]
+    for k, line in enumerate(lines):
+        cells = enumerate(zip(line, widths, strict=True))
+        text.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in cells))
+        if k == 0:
+            text.append("  ".join("-" * w for w in widths))
+    text.append(MEMORY_NOTES[_total_from(result)])
+    text.append("Roofline, tokens/s and MFU: upper bounds from XLA's counts, which count a loop's body once: the "
+                "train step's are × grad_accum (the update's share overcounted), generate's decoding loop has none, "
+                "and compute.scan_layers undercounts the layers. Collectives: the program's instructions.")
+    return "\n".join(text)
