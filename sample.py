@@ -1,5 +1,7 @@
 """Sample text from a trained run:
 python sample.py --run_dir RUN [--prompt TEXT | --prompt_file PATH | --record JSON | < stdin].
+With no prompt (none given, or an empty one) the samples are unconditional: each starts a new
+document, after the tokenizer's <|eos|>.
 
 (--hf_dir PATH samples from a Hugging Face GPT-2 directory instead of a run.)
 
@@ -34,7 +36,7 @@ import jax
 from absl import logging as absl_logging
 
 from jaxgpt import beam, convert, sampling, viz
-from jaxgpt.attention.kernels import KERNELS
+from jaxgpt.attention.kernels import KERNELS, check_backend
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
 from jaxgpt.config import ComputeConfig
@@ -43,7 +45,7 @@ from jaxgpt.errors import tidy_cli_output
 from jaxgpt.model_config import DTYPES, WEIGHTS
 from jaxgpt.quantize import params_for
 from jaxgpt.run import load_run
-from jaxgpt.text import TextStream, encode_prompt, format_next_tokens
+from jaxgpt.text import TextStream, format_next_tokens, prompt_or_start
 
 DIVIDER = "-" * 15
 
@@ -108,9 +110,7 @@ def check_args(args) -> None:
         raise ValueError("--calibrated uses the temperature eval.py --calibration fitted for a run: give --run_dir")
     if args.attention_png and args.weights != "float":
         raise ValueError("--attention_png draws the float model's attention: drop --weights int8 (or --attention_png)")
-    if args.kernel == "cudnn" and jax.default_backend() != "gpu":
-        raise ValueError(f"--kernel cudnn needs a CUDA GPU, but JAX sees only {jax.default_backend()} devices: use "
-                         "--kernel xla or explicit (the model computes the same)")
+    check_backend(args.kernel, jax.default_backend(), flag="--kernel")
     for name in ("num_samples", "max_new_tokens", "show_probs", "beams"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -161,7 +161,7 @@ def prompt_ids(args, tokenizer, text: str | None) -> tuple[str, list[int]]:
     """(the text printed before each sample, the prompt's ids): the prompt as given, or
     formatted by the records template (then nothing is printed before the completion)."""
     if not templated(args):
-        return text, encode_prompt(tokenizer, text)
+        return text, prompt_or_start(tokenizer, text)
     data = {}
     if (args.template or RUN_TEMPLATE) == RUN_TEMPLATE:
         data = json.loads((Path(args.run_dir) / "config.json").read_text(encoding="utf-8")).get("data", {})
@@ -180,8 +180,8 @@ def read_prompt(args) -> str:
             return Path(args.prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"cannot read --prompt_file {args.prompt_file}: {err}") from None
-    if sys.stdin.isatty():
-        raise ValueError("no prompt: pass --prompt TEXT or --prompt_file PATH, or pipe the text on stdin")
+    if sys.stdin is None or sys.stdin.isatty():
+        return ""  # no prompt: unconditional samples, each a new document
     return sys.stdin.read()
 
 

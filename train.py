@@ -6,12 +6,29 @@ config, tokenizer, checkpoints, metrics.jsonl, loss.png, sample.txt. Running the
 command again resumes from the last checkpoint.
 """
 
+import os
+import signal
 import sys
 import warnings
 from pathlib import Path
 
-from jaxgpt.cli import overridden_keys, parse_config
-from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
+STOPPED = "train.py: stopped before training began; run the same command to start again"
+
+
+def stop_while_starting(signum, frame) -> None:
+    """Ctrl-C before training takes the signals over (jaxgpt.run.StopRequested): there is
+    nothing to save yet, and an interrupted preparation resumes where it stopped, so the
+    process ends here and now. (A KeyboardInterrupt could be swallowed by a library that is
+    importing or starting up, and the run would go on.)"""
+    print(STOPPED, file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, stop_while_starting)
+
+from jaxgpt.cli import overridden_keys, parse_config  # noqa: E402  (JAX's import takes seconds: Ctrl-C is ours first)
+from jaxgpt.errors import ConfigError, one_line, tidy_cli_output  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
@@ -48,6 +65,7 @@ def main(argv) -> int:
 
             return ahead.print_and_check(ahead.report(config))
         result = run.train(config, explicit=overridden_keys(argv))
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the run is saved: Ctrl-C now only stops the sample
     except (ValueError, OSError, run.TrainingError, CheckpointError) as error:
         fail(one_line(error, limit=2000))
     except KeyboardInterrupt:  # a second signal before training began: nothing to save
@@ -81,6 +99,6 @@ def print_sample(config) -> None:
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv))
-    except KeyboardInterrupt:  # Ctrl-C before training took over the signals (while starting up)
-        print("train.py: stopped before training began; run the same command to start again", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C while sampling after the run, which stands
+        print("train.py: the sample was stopped; the run is saved", file=sys.stderr)
         sys.exit(130)

@@ -50,6 +50,13 @@ class MismatchedCheckpoint(CheckpointError):
         self.step, self.differences = step, differences
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files are missing or unreadable, or whose tensors do not match the
+    checksums they were saved with: the only failure that moves a step aside. Anything else
+    raised while restoring (a device or sharding problem, a bug) is not the checkpoint's fault
+    and propagates as the error it is."""
+
+
 class NonFiniteState(CheckpointError):
     """A state that holds NaN or ±inf, which is never saved; `path` names the first such tensor."""
 
@@ -132,7 +139,8 @@ def tree_checksums(tree) -> dict[str, list[int]]:
     leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf) for _, leaf in flat]
     sums = [[]] * len(leaves)
     for group in _device_groups(leaves):
-        on_device = _device_checksums([leaves[i] for i in group])
+        with jax.set_mesh(None):  # run where the leaves are, whatever mesh the caller has set
+            on_device = _device_checksums([leaves[i] for i in group])
         for i, row in zip(group, jax.device_get(on_device).tolist(), strict=True):
             sums[i] = row
     return {jax.tree_util.keystr(path): row for (path, _), row in zip(flat, sums, strict=True)}
@@ -182,8 +190,9 @@ class Checkpoints:
         if not read_only and self.directory.is_dir():
             _repair_steps(self.directory)
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                                item_handlers={"state": _state_handler()})
+            with _quiet_read_only_notice():
+                self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                                    item_handlers={"state": _state_handler()})
         except Exception as error:
             raise CheckpointError(f"cannot read the checkpoints in {self.directory} "
                                   f"({one_line(error, with_type=True)}); move the damaged step aside") from error
@@ -270,11 +279,8 @@ class Checkpoints:
         for candidate in candidates:
             try:
                 return self._restore_checked(candidate, abstract, partial), candidate
-            except MismatchedCheckpoint:
-                raise  # the caller asked for another model: nothing here is damaged
-            except Exception as error:  # orbax raises many kinds for a damaged directory
-                reason = str(error) if isinstance(error, CheckpointError) else one_line(error, with_type=True)
-                message = f"checkpoint at step {candidate} in {self.directory} is unreadable or damaged ({reason})"
+            except DamagedCheckpoint as error:  # anything else is not the checkpoint's fault: it propagates
+                message = f"checkpoint at step {candidate} in {self.directory} is unreadable or damaged ({error})"
                 if explicit:
                     raise CheckpointError(message) from error
                 log.warning("%s; trying an older one", message)
@@ -296,9 +302,7 @@ class Checkpoints:
             return
         try:
             self._check_shapes(steps[-1], {"params": abstract_params}, partial=True)
-        except MismatchedCheckpoint:
-            raise
-        except Exception:  # orbax raises many kinds for damaged metadata
+        except DamagedCheckpoint:
             log.debug("the metadata of checkpoint step %s is unreadable", steps[-1])
 
     def _check_step_exists(self, step: int) -> None:
@@ -312,7 +316,10 @@ class Checkpoints:
         """MismatchedCheckpoint, before anything is read, when the state asked for has other
         tensors or other shapes than `step` holds (a partial restore asks for some of them).
         Metadata that cannot be read is left to the restore, which finds the step damaged."""
-        saved = _shapes(self.manager.item_metadata(step)["state"])
+        with _reading():
+            saved = _shapes(self.manager.item_metadata(step)["state"])
+        if not saved:
+            raise DamagedCheckpoint(f"the metadata of {self.directory / str(step) / 'state'} lists no tensors")
         asked = _shapes(abstract)
         differ = {path: f"saved {saved[path]} against asked {shape}" for path, shape in asked.items()
                   if path in saved and saved[path] != shape}
@@ -327,15 +334,18 @@ class Checkpoints:
     def _restore_checked(self, step: int, abstract: Any, partial: bool) -> Any:
         """The state (or its params) of `step`, checked against the checksums it was saved with
         (checkpoints without them, from before they were recorded, are only checked to be finite)."""
+        if not (self.directory / str(step) / "state").is_dir():
+            raise DamagedCheckpoint(f"{self.directory / str(step) / 'state'} is missing")
         self._check_shapes(step, abstract, partial)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            abstract, restore_args=restore_args, partial_restore=partial)))["state"]
-        recorded = (self.manager.metadata(step).custom_metadata or {}).get(CHECKSUMS, {})
+        with _reading():
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                abstract, restore_args=restore_args, partial_restore=partial)))["state"]
+            recorded = (self.manager.metadata(step).custom_metadata or {}).get(CHECKSUMS, {})
         checksums = tree_checksums(restored)
         bad = first_non_finite(checksums) or _mismatch(recorded, checksums)
         if bad is not None:
-            raise CheckpointError(f"{bad} does not match the checksum it was saved with")
+            raise DamagedCheckpoint(f"{bad} does not match the checksum it was saved with")
         return restored
 
     def close(self) -> None:
@@ -386,6 +396,51 @@ def _params_first(item: tuple[tuple[str, ...], str]) -> tuple:
     """The parameters' paths before the optimizer state's, which repeats their shapes."""
     path = item[0]
     return path[:1] != ("params",), path
+
+
+# What the storage layer (tensorstore, through orbax) says of files that are missing, cut short or
+# corrupt: a status code before its message. Others (RESOURCE_EXHAUSTED: out of memory;
+# UNIMPLEMENTED, CANCELLED, …) are not the files' fault.
+_DAMAGE_STATUS = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION", "INVALID_ARGUMENT",
+                  "PERMISSION_DENIED")
+
+
+def _is_damage(error: BaseException) -> bool:
+    """Whether an error raised while reading a step is the step's damage: missing or unreadable
+    files, or a decode error."""
+    if isinstance(error, (OSError, UnicodeDecodeError, json.JSONDecodeError)):
+        return True
+    status = str(error).split(":", 1)[0].strip()
+    return isinstance(error, ValueError) and status in _DAMAGE_STATUS
+
+
+@contextlib.contextmanager
+def _reading():
+    """Reading a step: its damage raised as DamagedCheckpoint, anything else as it is."""
+    try:
+        yield
+    except DamagedCheckpoint:
+        raise
+    except Exception as error:
+        if _is_damage(error):
+            raise DamagedCheckpoint(one_line(error, with_type=True)) from error
+        raise
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notice():
+    """orbax logs 'Given directory is read only' whenever it opens checkpoints only to read
+    them (sampling, evaluation): a notice of the mode asked for, which reads as a fault of the
+    directory. Dropped while the manager opens; every other record passes."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _parses(path: Path, kind: type) -> bool:

@@ -141,13 +141,15 @@ class TrainConfig:
         fraction = self.cooldown_fraction
         _check_train(self, is_number(fraction) and 0 < fraction <= 1, "cooldown_fraction", "a number in (0, 1]")
         if self.schedule_steps <= self.warmup_steps:
-            raise ConfigError(f"train.decay_steps={self.schedule_steps} must exceed train.warmup_steps="
-                              f"{self.warmup_steps}: the decay needs at least one step after the warmup")
+            raise ConfigError(f"{self.schedule_key}={self.schedule_steps} must exceed train.warmup_steps="
+                              f"{self.warmup_steps}: the decay needs at least one step after the warmup (raise "
+                              f"{self.schedule_key} or lower train.warmup_steps)")
         if self.schedule != "wsd":
             return
         if self.cooldown_steps < 1:
             raise ConfigError(f"train.cooldown_fraction={fraction!r} gives no cooldown step out of "
-                              f"{self.schedule_steps}: raise it to at least {1 / self.schedule_steps:.3g}")
+                              f"{self.schedule_key}={self.schedule_steps}: raise it to at least "
+                              f"{1 / self.schedule_steps:.3g}")
         if self.schedule_steps - self.cooldown_steps < self.warmup_steps:
             raise ConfigError(f"train.cooldown_fraction={fraction!r}: its cooldown of {self.cooldown_steps} steps "
                               f"would start at step {self.schedule_steps - self.cooldown_steps}, inside the warmup of "
@@ -157,6 +159,11 @@ class TrainConfig:
     def schedule_steps(self) -> int:
         """The step at which the schedule reaches min_lr: decay_steps, else the run's steps."""
         return self.decay_steps or self.steps
+
+    @property
+    def schedule_key(self) -> str:
+        """The key that sets schedule_steps: the one a message about it names."""
+        return "train.steps" if self.decay_steps is None else "train.decay_steps"
 
     @property
     def cooldown_steps(self) -> int:

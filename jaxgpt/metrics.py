@@ -65,19 +65,22 @@ def machine_key(dtype=jnp.float32) -> str:
     return f"{model} | {cores} cores | jax {jax.__version__} | {jnp.dtype(dtype).name}"
 
 
-def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32) -> float:
+def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32, at_least: float = 0.0) -> float:
     """measure_matmul_peak once per machine: the value is kept in `path` (peak_cache_path())
     under machine_key(dtype), and read from there by every later run. An unreadable file
-    is measured anew and rewritten."""
+    is measured anew and rewritten. `at_least` > 0 (a throughput a run reached, above the
+    kept peak, which a busy machine measured too low) measures again and keeps the larger of
+    the kept value, the new measurement and `at_least`."""
     path = Path(path or peak_cache_path())
     key = machine_key(dtype)
     try:
         peaks = json.loads(path.read_text())
-        if isinstance(peaks.get(key), (int, float)) and peaks[key] > 0:
-            return float(peaks[key])
+        kept = peaks.get(key) if isinstance(peaks.get(key), (int, float)) and peaks[key] > 0 else None
     except (OSError, ValueError, AttributeError):  # none yet, or not JSON, or not an object
-        peaks = {}
-    peaks[key] = measure_matmul_peak(dtype)
+        peaks, kept = {}, None
+    if kept is not None and kept >= at_least:
+        return float(kept)
+    peaks[key] = max(measure_matmul_peak(dtype), kept or 0.0, at_least)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -109,8 +112,9 @@ class Meter:
     over that interval, which ends when its last step's metrics arrived; `restart_clock`
     leaves evaluation and saving out of the next interval's time."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, measured: bool = False):
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.measured = measured  # the peak is the machine's measured one (cached_matmul_peak), not configured
         self.pending: list[tuple[int, Any]] = []
         self.losses: list[float] = []
         self.last = {"loss": math.nan, "grad_norm": math.nan, "lr": math.nan}
@@ -141,6 +145,11 @@ class Meter:
         interval starts where this one ended."""
         seconds = max(self.fetched_at - self.interval_start, 1e-9)
         tokens_per_sec = len(self.losses) * self.tokens_per_step / seconds
+        if self.measured and self.peak and self.flops_per_token * tokens_per_sec > self.peak:
+            # training outran the measured peak, which a busy machine measured too low: measured
+            # again, and never below what training reached; the time that takes is not training
+            self.peak = cached_matmul_peak(at_least=self.flops_per_token * tokens_per_sec)
+            self.fetched_at = time.perf_counter()
         record = {
             "step": step,
             "train_loss": sum(self.losses) / max(len(self.losses), 1),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,19 @@ def check_sections(config, train_cfg: TrainConfig) -> Mesh:
     DataConfig.from_mapping(config.data)
     mesh = sharding.make_mesh(config.mesh)
     check_batch_sizes(train_cfg, mesh)
+    for note in unused_settings(config, train_cfg):
+        print(f"jaxgpt: {note}", file=sys.stderr)
     return mesh
+
+
+def unused_settings(config, train_cfg: TrainConfig) -> list[str]:
+    """A line for each setting that has nothing to act on in this run, so none is silently ignored."""
+    notes = []
+    if train_cfg.head_lr is not None and config.model.tie_embeddings:
+        notes.append(f"train.head_lr={train_cfg.head_lr!r} is unused: the embeddings are tied "
+                     "(model.tie_embeddings=True), so the unembedding is the token embedding and trains at "
+                     "train.embed_lr; untie them (--config.model.tie_embeddings=False) for a head of its own")
+    return notes
 
 
 # --- starting from another model ------------------------------------------------------------

@@ -31,12 +31,11 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from jaxgpt import data, metrics, rundir, sharding
-from jaxgpt.attention.kernels import NEEDS
+from jaxgpt.attention.kernels import check_backend
 from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
 from jaxgpt.config import ComputeConfig, GPTConfig, SampleConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError, one_line
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
-from jaxgpt.files import write_json
 from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import GPT, flops_per_token, layers_as
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
@@ -96,10 +95,10 @@ def compute_config(config, platform: str | None = None) -> ComputeConfig:
     section, its kernel checked against the devices (cuDNN needs a GPU, flash a TPU)."""
     platform = platform or jax.default_backend()
     compute = ComputeConfig.from_dict(dict(config.compute)).on(platform)
-    needs, device = NEEDS.get(compute.kernel, (platform, ""))
-    if needs != platform:
-        raise ConfigError(f"compute.kernel={compute.kernel!r} needs {device}, but the devices are {platform}: "
-                          "use --config.compute.kernel=xla or explicit (the model computes the same)")
+    try:
+        check_backend(compute.kernel, platform)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if compute.weights != "float":
         raise ConfigError(f"compute.weights={compute.weights!r} is weight-only quantisation for inference (sample.py "
                           "--weights int8): train with compute.weights='float'")
@@ -176,7 +175,7 @@ def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock,
                 "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
     if jax.process_index() == 0:
         if max(checkpoints.steps(), default=0) <= train_cfg.steps:  # a run past its steps keeps its own record
-            write_json(directory / CONFIG_FILE, resolved)
+            rundir.write_config(directory, resolved, max(checkpoints.steps()) if resuming else None)
         if not (directory / TOKENIZER_FILE).exists():  # pinned from the first step on: never rewritten
             corpus.tokenizer.save(directory / TOKENIZER_FILE)
     layouts = None
@@ -346,7 +345,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
     state, start_step, train_step = _state_and_step(run, optimizer)
     tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
-        tc.peak_flops))
+        tc.peak_flops), measured=not tc.peak_flops)
     log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
     log.message(_announcement(run, start_step, tokens_per_step, meter.peak))
     for split, layout in (run.layouts or {}).items():

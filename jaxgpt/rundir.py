@@ -27,6 +27,7 @@ from jaxgpt import convert, data, tokenizers
 from jaxgpt.checkpoint import Checkpoints, MismatchedCheckpoint
 from jaxgpt.config import RESUME, ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
+from jaxgpt.files import write_json
 from jaxgpt.model import GPT, unstack_layers
 from jaxgpt.model_config import split_model
 from jaxgpt.quantize import params_for
@@ -230,6 +231,51 @@ def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
                             f"{pinned_path} to read new data with the run's tokenizer, or choose another "
                             "--config.run_dir")
     return written
+
+
+# Sections a resume may change and that config.json records: what is said of the model and
+# the compute settings is said by check_same_run.
+SAID_ELSEWHERE = ("model", "compute", "tokenizer_sha256", "run_dir")
+
+
+def write_config(directory: Path, resolved: dict, resumed_at: int | None) -> None:
+    """config.json: the resolved config. A resume (from checkpoint step `resumed_at`) whose
+    settings differ from the run's says each changed key on a line, and keeps the config the
+    earlier steps were trained with as config.step-N.json (the first such record of step N is
+    kept: it trained the steps up to N)."""
+    path = directory / CONFIG_FILE
+    saved = _read_json(path) if resumed_at is not None and path.exists() else None
+    changes = config_changes(saved, resolved) if isinstance(saved, dict) else []
+    if changes:
+        earlier = directory / f"config.step-{resumed_at}.json"
+        if not earlier.exists():
+            write_json(earlier, saved)
+        for change in changes:
+            print(f"jaxgpt: resuming at step {resumed_at} with {change} (the earlier steps' config: {earlier.name})",
+                  file=sys.stderr)
+    write_json(path, resolved)
+
+
+def config_changes(saved: dict, resolved: dict) -> list[str]:
+    """'key old → new' for each dotted key outside SAID_ELSEWHERE whose value differs (a key
+    the saved config lacks, from an older version, is not a change)."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if not prefix and key in SAID_ELSEWHERE:
+                continue
+            out |= flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+        return out
+
+    old, new = flat(saved), flat(resolved)
+    return [f"{key} {old[key]!r} → {value!r}" for key, value in new.items() if key in old and old[key] != value]
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, OSError):
+        return None
 
 
 def _model_differences(saved_path: Path, saved_values, cfg: GPTConfig) -> str:

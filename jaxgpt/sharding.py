@@ -154,10 +154,18 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def auto_cpu_devices(cores: int, batch_sizes, processes: int = 1) -> int:
-    """The most CPU devices, at most one per core, that split every batch's rows evenly
-    among the processes' devices."""
-    return max(n for n in range(1, max(cores, 1) + 1) if all(b % (n * processes) == 0 for b in batch_sizes))
+def auto_cpu_devices(cores: int, batch_sizes, processes: int = 1, mesh_sizes=(-1, 1, 1)) -> int:
+    """The most CPU devices, at most one per core, on which the mesh of `mesh_sizes` (data,
+    fsdp, tensor; one may be −1) can be made and every batch's rows split evenly over its
+    data×fsdp devices; 0 when no count up to `cores` can."""
+    def fits(n: int) -> bool:
+        total, known = n * processes, math.prod(s for s in mesh_sizes if s != -1)
+        if total % known:
+            return False
+        sizes = [total // known if s == -1 else s for s in mesh_sizes]
+        return math.prod(sizes) == total and all(b % (sizes[0] * sizes[1]) == 0 for b in batch_sizes)
+
+    return max((n for n in range(1, max(cores, 1) + 1) if fits(n)), default=0)
 
 
 def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
@@ -166,9 +174,9 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
     models leave one multi-threaded device mostly idle between ops).
 
     mesh.cpu_devices: N > 0 makes N CPU devices; 0 leaves JAX's default (one); −1 (the
-    default) one per core, as many as divide every batch evenly, when the mesh is plain data
-    parallelism and nothing else chose the count (XLA_FLAGS' force_host_platform_device_count
-    or jax_num_cpu_devices). Takes effect only before JAX's first operation: returns the
+    default) one per core, as many as the mesh's sizes fit and divide every batch evenly,
+    when nothing else chose the count (XLA_FLAGS' force_host_platform_device_count or
+    jax_num_cpu_devices). Takes effect only before JAX's first operation: returns the
     count set, or 0 when it left JAX as it was. Accelerators are unaffected.
     """
     requested = wanted = int(mesh_cfg["cpu_devices"])
@@ -177,13 +185,14 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
     if wanted == 0:
         return 0
     if wanted == -1:
-        chosen_elsewhere = (jax.config.jax_num_cpu_devices != -1
-                            or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""))
-        plain_data_parallel = all(int(mesh_cfg[a]) in (-1, 1) for a in ("fsdp", "tensor"))
-        if chosen_elsewhere or not plain_data_parallel:
-            return 0
-        wanted = auto_cpu_devices(available_cores(), batch_sizes, processes)
-        if wanted == 1:
+        if (jax.config.jax_num_cpu_devices != -1
+                or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")):
+            return 0  # chosen elsewhere
+        sizes = tuple(int(mesh_cfg[axis]) for axis in AXES)
+        if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+            return 0  # no mesh: make_mesh says why
+        wanted = auto_cpu_devices(available_cores(), batch_sizes, processes, sizes)
+        if wanted <= 1:
             return 0
     try:
         jax.config.update("jax_num_cpu_devices", wanted)

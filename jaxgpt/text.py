@@ -29,6 +29,21 @@ def encode_prompt(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
+def document_start(tokenizer: tokenizers.Tokenizer) -> list[int]:
+    """The context of an unconditional sample: a new document, as after each <|eos|> of the
+    corpus; a new line for a tokenizer without <|eos|>. ValueError when it has neither."""
+    if tokenizer.eos_id is not None:
+        return [tokenizer.eos_id]
+    if not tokenizer.count_unknown("\n"):
+        return tokenizer.encode("\n")
+    raise ValueError("the tokenizer has neither <|eos|> nor a new line to start a sample from: give a prompt")
+
+
+def prompt_or_start(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    """The prompt's ids (encode_prompt), or for no prompt ('') a new document (document_start)."""
+    return encode_prompt(tokenizer, text) if text else document_start(tokenizer)
+
+
 def generate_text(params, config: GPTConfig, tokenizer: tokenizers.Tokenizer, prompts: str | Sequence[str],
                   seed: int = 0, *, max_new_tokens: int = 256, temperature=1.0, top_k: int | None = None,
                   top_p=None, stop_at_eos: bool = True) -> str | list[str]:

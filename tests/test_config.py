@@ -69,7 +69,7 @@ def test_a_cudnn_compute_config_is_valid_anywhere_and_the_model_it_runs_is_softm
 def test_a_run_with_the_cudnn_kernel_without_a_gpu_says_what_to_use():
     config = default_config()
     config.compute.kernel = "cudnn"
-    with pytest.raises(ConfigError, match=r"compute.kernel='cudnn' needs a CUDA GPU.*kernel=xla or explicit"):
+    with pytest.raises(ConfigError, match=r"compute.kernel=cudnn needs a CUDA GPU.*use explicit or blocked or xla"):
         compute_config(config)
 
 

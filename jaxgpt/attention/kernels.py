@@ -106,3 +106,13 @@ def for_platform(platform: str, dtype) -> str:
     return "explicit"
 # the backend each kernel needs (jax.default_backend()'s name); the others run anywhere
 NEEDS = {"cudnn": ("gpu", "a CUDA GPU"), "flash": ("tpu", "a TPU")}
+
+
+def check_backend(kernel: str, platform: str, flag: str = "--config.compute.kernel") -> None:
+    """ValueError (one line, naming `flag` and the kernels that run here) when `kernel` needs
+    another backend than `platform`: every command checks a kernel here, the same way."""
+    needs, device = NEEDS.get(kernel, (platform, ""))
+    if needs != platform:
+        here = [name for name in KERNELS if NEEDS.get(name, (platform,))[0] == platform]
+        raise ValueError(f"{flag}={kernel} needs {device}, but the devices are {platform}: use {' or '.join(here)} "
+                         "(the model computes the same)")
