@@ -240,6 +240,13 @@ for target in (placed((2, 4), P("b", "a"), P()), placed((8, 1), P(None, "a"), P(
     restored, step = checkpoints.restore(abstract, step=5)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
         assert got.sharding == want.sharding and np.array_equal(got, want)
+# under a run's mesh of all 8 devices (jax.set_mesh), leaves on one device restore and check
+# where they are (init_from reads its source's checkpoints so)
+with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+    single = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                          sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])), values)
+    restored, step = checkpoints.restore(single, step=5)
+    assert tree_checksums(restored) == tree_checksums(values)
 checkpoints.close()
 print("ok")
 """
@@ -247,7 +254,7 @@ print("ok")
 
 def test_a_checkpoint_saved_on_one_mesh_restores_intact_onto_others(tmp_path):
     """Checksums of a tensor sharded over 8 devices (4×2) equal those on other meshes and on
-    one device, so its restore onto each passes the check."""
+    one device, so its restore onto each passes the check, also under a mesh of other devices."""
     assert finished(with_devices(EIGHT_DEVICES, tmp_path, devices=8)) == "ok"
 
 
@@ -273,3 +280,49 @@ def test_checksums_over_two_processes_count_each_element_once():
     port = free_port()
     workers = [with_devices(TWO_PROCESSES, process, port, devices=2) for process in (0, 1)]
     assert [finished(worker).splitlines()[-1] for worker in workers] == ["ok", "ok"]  # after gloo's lines
+
+
+def test_an_error_that_is_not_damage_propagates_and_moves_nothing(tmp_path, monkeypatch):
+    """Only missing, unreadable or mismatched files are damage: any other error while restoring
+    (a device or sharding problem, a bug) is raised as it is, and every step stays in place."""
+    directory = saved(tmp_path)
+    checkpoints = Checkpoints(tmp_path)
+
+    def fails(*args, **kwargs):
+        raise ValueError("Received incompatible devices for jitted computation")
+
+    monkeypatch.setattr(checkpoints.manager, "restore", fails)
+    with pytest.raises(ValueError, match="incompatible devices"):
+        checkpoints.restore(abstract())
+    with pytest.raises(ValueError, match="incompatible devices"):
+        checkpoints.restore_params(abstract()["params"])
+    assert checkpoints.steps() == [1, 2, 3] and sorted(p.name for p in directory.iterdir()) == ["1", "2", "3"]
+    assert not (tmp_path / "damaged_checkpoints").exists()
+    checkpoints.close()
+
+
+@pytest.mark.parametrize("damage", ["no state directory", "no tensor metadata"])
+def test_missing_files_are_damage_and_the_previous_step_is_used(tmp_path, damage, caplog):
+    directory = saved(tmp_path)
+    if damage == "no state directory":
+        shutil.rmtree(directory / "3" / "state")
+    else:
+        (directory / "3" / "state" / "_METADATA").unlink()
+    caplog.set_level(logging.WARNING)
+    checkpoints = Checkpoints(tmp_path)
+    restored, step = checkpoints.restore(abstract())
+    assert step == 2 and float(restored["params"]["b"][0]) == -2.0
+    assert "checkpoint at step 3" in caplog.text and (tmp_path / "damaged_checkpoints" / "3").is_dir()
+    checkpoints.close()
+
+
+def test_opening_checkpoints_to_read_says_nothing_of_a_read_only_directory(tmp_path, caplog):
+    """orbax's notice of the mode (read only) reads as a fault of a writable directory."""
+    saved(tmp_path)
+    caplog.set_level(logging.INFO)
+    checkpoints = Checkpoints(tmp_path, read_only=True)
+    checkpoints.restore_params(abstract()["params"])
+    checkpoints.close()
+    assert "read only" not in caplog.text
+    logging.getLogger("absl").warning("Given directory is read only=%s", "elsewhere")  # only while opening
+    assert "read only=elsewhere" in caplog.text

@@ -253,3 +253,15 @@ def test_impossible_sample_settings_raise(changes, expected):
     with pytest.raises(ConfigError, match=expected):
         SampleConfig(**changes)
     assert SampleConfig.from_mapping(default_config().sample) == SampleConfig()
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"steps": 2}, "train.steps=2"),  # decay_steps unset: the run's steps end the schedule
+    ({"steps": 100, "decay_steps": 30}, "train.decay_steps=30"),
+])
+def test_a_schedule_too_short_for_its_warmup_names_the_key_that_set_it(changes, key):
+    from jaxgpt.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=rf"^{key} must exceed train.warmup_steps=50: .* \(raise {key.split('=')[0]} "
+                                          r"or lower train.warmup_steps\)$"):
+        TrainConfig(warmup_steps=50, **changes)

@@ -59,6 +59,29 @@ def test_the_matmul_peak_is_measured_once_per_machine_and_dtype(tmp_path, monkey
     assert metrics.peak_cache_path({"XDG_CACHE_HOME": "/x"}) == Path("/x/jaxgpt/peak_flops.json")
 
 
+def test_a_measured_peak_that_training_outruns_is_measured_again_and_never_left_below_it(tmp_path, monkeypatch):
+    """A peak kept from a busy moment (52 GFLOP/s while packages installed) gave MFU 108%: when
+    training reaches more, the peak is measured again, kept as the larger of the new measure and
+    what training reached, and MFU stays ≤ 100%."""
+    from jaxgpt import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measures = iter([5e10, 1.4e11, 1.5e11])
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda dtype=None: next(measures))
+    assert metrics.cached_matmul_peak() == 5e10  # measured while busy, and kept
+    meter = metrics.Meter(tokens_per_step=1000, flops_per_token=1e6, peak=5e10, measured=True)
+    meter.fetched_at = meter.interval_start + 0.01  # one step of 1000 tokens in 10 ms: 1e11 FLOP/s reached
+    meter.losses = [1.0]
+    record = meter.record(1)
+    assert meter.peak == 1.4e11 and record["mfu"] == pytest.approx(1e11 / 1.4e11, rel=1e-6)
+    assert json.loads(metrics.peak_cache_path().read_text()) == {metrics.machine_key(): 1.4e11}
+    # a measure still below what training reached: the peak is at least that
+    assert metrics.cached_matmul_peak(at_least=2e11) == 2e11
+    configured = metrics.Meter(tokens_per_step=1000, flops_per_token=1e6, peak=5e10)  # train.peak_flops: as given
+    configured.fetched_at, configured.losses = configured.interval_start + 0.01, [1.0]
+    assert configured.record(1)["mfu"] == pytest.approx(2.0, rel=1e-6) and configured.peak == 5e10
+
+
 def test_the_meter_reads_the_steps_asked_for_and_times_intervals_between_fetches():
     import jax.numpy as jnp
 

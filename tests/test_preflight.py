@@ -127,3 +127,18 @@ def test_text_the_source_tokenizer_cannot_encode_is_refused_above_data_max_unkno
         opened(config)
     config.data.max_unknown = 0.5
     assert opened(config).corpus.tokenizer.unk_id is not None  # accepted when asked
+
+
+def test_a_head_learning_rate_with_tied_embeddings_is_said_to_be_unused(capsys):
+    """train.head_lr has no parameter to act on when the unembedding is the token embedding."""
+    from jaxgpt.config import TrainConfig, default_config
+    from jaxgpt.preflight import check_sections
+
+    config = default_config()
+    config.train.head_lr = 0.006
+    check_sections(config, TrainConfig.from_mapping(config.train))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jaxgpt: train.head_lr=0.006 is unused: the embeddings are tied")
+    config.model.tie_embeddings = False
+    check_sections(config, TrainConfig.from_mapping(config.train))
+    assert capsys.readouterr().err == ""

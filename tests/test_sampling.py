@@ -566,8 +566,22 @@ def test_sample_py_samples_with_the_compute_settings_it_is_given(cli, capsys, ru
     assert out == f"\n{cli.DIVIDER}\n".join(texts) + "\n"
 
 
+def test_sample_py_with_no_prompt_draws_each_sample_from_a_new_document(cli, capsys, run_dir):
+    """An empty prompt (as no prompt at all) continues <|eos|>, the context that starts each
+    document of the corpus; nothing is printed before the sample."""
+    status, out, _ = sample(cli, capsys, run_dir, "--prompt", "", "--num_samples", 3, "--max_new_tokens", NEW,
+                            "--seed", 3)
+    assert status == 0
+    params, cfg, tokenizer = load_run(run_dir)
+    result = sampling.generate(params, cfg, [[tokenizer.eos_id]] * 3, jax.random.key(3), max_new_tokens=NEW,
+                               eos_id=tokenizer.eos_id)
+    assert out == f"\n{cli.DIVIDER}\n".join(tokenizer.decode(new) for new in result.new_tokens()) + "\n"
+
+
 @pytest.mark.parametrize("args, message", [
-    (("--prompt", ""), "the prompt is empty"),
+    (("--prompt", "x", "--kernel", "flash"), "--kernel=flash needs a TPU, but the devices are cpu: use explicit or "
+                                              "blocked or xla"),
+    (("--prompt", "x", "--kernel", "cudnn"), "--kernel=cudnn needs a CUDA GPU, but the devices are cpu"),
     (("--prompt", "x", "--weights", "int8", "--attention_png", "a.png"),
      "--attention_png draws the float model's attention: drop --weights int8"),
     (("--prompt", "Zebra €"), r"characters the tokenizer cannot encode: 'Z', 'b', '€'"),

@@ -63,6 +63,12 @@ def test_cpu_devices_one_per_core_as_many_as_divide_the_batches():
     assert sharding.auto_cpu_devices(2, [15, 45]) == 1
     assert sharding.auto_cpu_devices(4, [16, 32], processes=2) == 4
     assert sharding.auto_cpu_devices(4, [12], processes=2) == 3
+    # the mesh's other axes: tensor=2 takes two of the devices, which the batch need not divide by
+    assert sharding.auto_cpu_devices(2, [16], mesh_sizes=(-1, 1, 2)) == 2
+    assert sharding.auto_cpu_devices(8, [12], mesh_sizes=(-1, 1, 2)) == 8  # data 4 divides 12
+    assert sharding.auto_cpu_devices(8, [12], mesh_sizes=(-1, 2, 1)) == 6  # data 3 × fsdp 2
+    assert sharding.auto_cpu_devices(8, [16], mesh_sizes=(2, 2, 2)) == 8
+    assert sharding.auto_cpu_devices(4, [16], mesh_sizes=(2, 2, 2)) == 0  # no count up to 4 makes that mesh
     # JAX has started in this process: the count is left alone, and asking for one is an error
     jax.devices()
     assert sharding.use_cpu_cores(MESH, [12]) == 0
@@ -71,6 +77,20 @@ def test_cpu_devices_one_per_core_as_many_as_divide_the_batches():
         sharding.use_cpu_cores({**MESH, "cpu_devices": 3}, [12])
     with pytest.raises(ValueError, match="mesh.cpu_devices=-3: use a device count, 0"):
         sharding.use_cpu_cores({**MESH, "cpu_devices": -3}, [12])
+
+
+def test_the_default_cpu_device_count_makes_a_tensor_axis_on_two_cores():
+    """mesh.tensor=2 on a machine of 2 cores: the default (one device per core) makes the two
+    devices the mesh asks for, instead of refusing it with a fix it could have chosen."""
+    code = ("import jax; from jaxgpt import sharding; mesh = {'data': -1, 'fsdp': 1, 'tensor': 2, 'cpu_devices': -1}; "
+            "sharding.use_cpu_cores(mesh, [16]); print(dict(sharding.make_mesh(mesh).shape))")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "JAX_PLATFORMS": "cpu"})
+    if sharding.available_cores() < 2:
+        pytest.skip("one core: a tensor axis of 2 needs two devices")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "{'data': 1, 'fsdp': 1, 'tensor': 2}"
 
 
 def test_compilation_cache_directory_follows_the_setting_and_the_environment(tmp_path):

@@ -1,0 +1,99 @@
+"""The README's commands as a user runs them: in subprocesses, from the README's own lines, with
+the machine's default devices (one CPU device per core; the rest of the suite runs on one).
+Only the length of the runs is cut, by overrides appended to each line. In order: the main
+job, its resume with changed settings, the fine-tune of its model on records (`init_from`), and
+an unconditional sample."""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxgpt import sharding
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+SHORT = ["--config.train.steps=4", "--config.train.warmup_steps=1", "--config.train.eval_every=2",
+         "--config.train.ckpt_every=2", "--config.train.log_every=1", "--config.train.eval_max_batches=2"]
+SMALL_MAIN_JOB = [*SHORT, "--config.model.n_layer=1", "--config.model.d_model=32", "--config.model.n_head=2",
+                  "--config.data.max_bytes=300000", "--config.data.vocab_size=512", "--config.sample.max_new_tokens=8"]
+
+
+def readme_line(pattern: str) -> list[str]:
+    """The argument list of the README's command line that matches `pattern` (the last
+    `&&` part of it, a comment dropped, continuation lines joined)."""
+    text = README.replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if re.search(pattern, line))
+    return shlex.split(line.split("&&")[-1], comments=True)
+
+
+def run(argv: list[str], cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS… EXTRA…` run in `cwd` as a user's shell would, on the machine's own
+    devices: scripts and configs are the repository's, run directories land under `cwd`."""
+    assert argv[0] == "python", argv
+    args = [str(ROOT / a) if a.endswith(".py") and (ROOT / a).exists() else a for a in argv[1:]]
+    args = [re.sub(r"^--config=(configs/.*)", lambda m: f"--config={ROOT / m[1]}", a) for a in args]
+    env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env |= {"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(cwd / "cache")}
+    return subprocess.run([sys.executable, *args, *extra], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """The README's first command's job, cut short, in a fresh directory."""
+    home = tmp_path_factory.mktemp("user")
+    out = run(readme_line(r"pip install -e \. && python train.py"), home, *SMALL_MAIN_JOB)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return home, out
+
+
+def test_the_main_job_trains_on_one_device_per_core_and_ends_with_a_sample(main_job):
+    home, out = main_job
+    devices = sharding.auto_cpu_devices(sharding.available_cores(), [16, 32])
+    assert f"{devices} cpu device(s)" in out.stderr
+    assert "--- sample (run directory runs/default) ---" in out.stdout
+    assert sorted(int(p.name) for p in (home / "runs/default/checkpoints").iterdir()) == [2, 4]
+
+
+def test_a_resume_with_changed_settings_says_each_and_keeps_the_earlier_config(main_job):
+    home, _ = main_job
+    out = run(readme_line(r"pip install -e \. && python train.py"), home, *SMALL_MAIN_JOB,
+              "--config.train.steps=6", "--config.train.lr=0.002")
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if line.startswith("jaxgpt: resuming at step 4 with")]
+    assert sorted(said) == ["jaxgpt: resuming at step 4 with train.lr 0.001 → 0.002 (the earlier steps' config: "
+                            "config.step-4.json)",
+                            "jaxgpt: resuming at step 4 with train.steps 4 → 6 (the earlier steps' config: "
+                            "config.step-4.json)"], out.stderr[-3000:]
+    earlier = json.loads((home / "runs/default/config.step-4.json").read_text())
+    now = json.loads((home / "runs/default/config.json").read_text())
+    assert (earlier["train"]["lr"], earlier["train"]["steps"]) == (0.001, 4)
+    assert (now["train"]["lr"], now["train"]["steps"]) == (0.002, 6)
+    steps = [json.loads(line)["step"] for line in (home / "runs/default/metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 6 and 5 in steps
+
+
+def test_the_readme_fine_tune_of_the_main_jobs_model_starts_from_its_checkpoints(main_job):
+    """init_from reads the source's checkpoints while the run's mesh of one device per core is
+    set: its checksums must run where the restored leaves are, and the checkpoints are intact."""
+    home, _ = main_job
+    out = run(readme_line(r"--config.init_from=runs/default"), home, *SHORT, "--config.sample.max_new_tokens=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "damaged" not in out.stderr and not (home / "runs/damaged_checkpoints").exists()
+    assert sorted(int(p.name) for p in (home / "runs/default/checkpoints").iterdir())  # the source's, all kept
+    assert (home / "runs/default_lookup/checkpoints/4").is_dir()
+
+
+def test_sample_py_with_no_prompt_starts_a_new_document(main_job):
+    home, _ = main_job
+    argv = readme_line(r"python sample.py --run_dir runs/default\b(?! --prompt)")
+    out = run(argv, home, "--max_new_tokens", "6", "--num_samples", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("-" * 15) == 1 and out.stdout.strip()
