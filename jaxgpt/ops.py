@@ -26,8 +26,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     against rhs's first k, no batch axes), `_cpu_matmul` of the two flattened to matrices.
 
     The platform is chosen when the program is lowered, so a program lowered for a GPU or TPU
-    (even on a CPU host) is XLA's own dot_general and gradient. Flax's
-    nn.DenseGeneral(..., dot_general=dot_general) computes with it."""
+    (even on a CPU host) is XLA's own dot_general and gradient. The model's float weight
+    matmuls reach it through `linear` (model.Linear and the tied unembedding)."""
     library = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
                                 preferred_element_type=preferred_element_type)
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
