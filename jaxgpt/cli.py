@@ -1,7 +1,8 @@
 """The command line of a run: a configs/*.py file and `--config.section.key=value` overrides,
 parsed into the run's ConfigDict (train.py, jaxgpt.sweep). Each call parses afresh, so a
 process can read several configs. `--config.KEY=None` sets a key whose default is None
-(config.none_keys) back to None, whatever the config file chose."""
+(config.none_keys) back to None, whatever the config file chose. Both of absl's forms are read
+alike (`--config FILE`, `--config.KEY VALUE`: equals_form), and any other argument is refused."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from jaxgpt.errors import ConfigError, one_line
 def parse_config(argv: list[str], default_file: str | os.PathLike):
     """The config of `argv` (argv[0] is the program): `--config=FILE` (default `default_file`)
     with its overrides, run_dir defaulting to runs/<config file name>. ConfigError (one line)
-    for a config file that does not load, an unknown key or a value of the wrong type."""
-    argv, cleared = _none_overrides(argv)
+    for a config file that does not load, an unknown key, a value of the wrong type or an
+    argument that is none of those flags (absl would ignore it)."""
+    argv = equals_form(argv)
     base = load_config(_config_file(argv, default_file))  # a file that does not load: one line naming it
+    _refuse_strays(argv[1:], base)
+    argv, cleared = _none_overrides(argv)
     flag_values = flags.FlagValues()
     try:
         holder = config_flags.DEFINE_config_file("config", str(default_file), "a configs/*.py file",
@@ -47,8 +51,59 @@ def parse_config(argv: list[str], default_file: str | os.PathLike):
 
 
 def overridden_keys(argv: list[str]) -> list[str]:
-    """The dotted keys of argv's --config.KEY=VALUE overrides, in order (the keys a user set)."""
-    return [arg.split("=", 1)[0][len("--config."):] for arg in argv if arg.startswith("--config.")]
+    """The dotted keys of argv's --config.KEY=VALUE overrides (either form, and the boolean
+    --noconfig.KEY), in order (the keys a user set)."""
+    return [arg.split("=", 1)[0].removeprefix("--no").removeprefix("--")[len("config."):]
+            for arg in equals_form(argv) if arg.startswith(("--config.", "--noconfig."))]
+
+
+def equals_form(argv: list[str]) -> list[str]:
+    """argv with `--config FILE` and `--config.KEY VALUE` joined into the `=` form. The next
+    argument is the value unless it starts with `--` (a value may be `-1`): a `--config.KEY`
+    followed by another flag, or last, is a boolean key set to True, as absl reads it."""
+    joined, rest = [], list(argv)
+    while rest:
+        arg = rest.pop(0)
+        takes_value = arg == "--config" or (arg.startswith("--config.") and "=" not in arg)
+        if takes_value and rest and not rest[0].startswith("--"):
+            arg = f"{arg}={rest.pop(0)}"
+        joined.append(arg)
+    return joined
+
+
+def _refuse_strays(args: list[str], base) -> None:
+    """ConfigError for an argument (in the `=` form) that is not a --config flag: absl would
+    leave a positional word unread, and a typo'd override with it."""
+    for arg in args:
+        if arg == "--config":
+            raise ConfigError("--config needs a value: --config=FILE (a configs/*.py file)")
+        if not arg.startswith(("--config=", "--config.", "--noconfig.")):
+            guess = _meant(arg, base)
+            raise ConfigError(f"the command line takes --config=FILE and --config.KEY=VALUE overrides; {arg!r} is "
+                              f"neither{f': did you mean {guess}?' if guess else ''}")
+
+
+def _meant(arg: str, base) -> str | None:
+    """The flag a stray argument was likely meant as: `--config=x.py` for a file name,
+    `--config.train.steps=10` for `steps=10` (or `train.steps=10`, `-config.train.steps=10`)."""
+    word = arg.lstrip("-")
+    if word.endswith(".py") and "=" not in word:
+        return f"--config={word}"
+    key, sep, value = word.partition("=")
+    key = key.removeprefix("config.")
+    if not key:
+        return None
+    leaves = _leaf_keys(base)
+    matches = [key] if key in leaves else [leaf for leaf in leaves if leaf.endswith(f".{key}")]
+    return f"--config.{matches[0]}={value if sep else 'VALUE'}" if len(matches) == 1 else None
+
+
+def _leaf_keys(section, prefix: str = "") -> list[str]:
+    """The dotted keys of a config's values (not its sections)."""
+    keys = []
+    for name, value in section.items():
+        keys += _leaf_keys(value, f"{prefix}{name}.") if hasattr(value, "items") else [prefix + name]
+    return keys
 
 
 def _none_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

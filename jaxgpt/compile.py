@@ -384,7 +384,11 @@ def print_and_check(result: dict, json_path: str | None = None) -> int:
     not fit the chip's HBM, else 0."""
     print(format_report(result))
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+        try:
+            Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as error:
+            print(f"jaxgpt.compile: cannot write --json {json_path} ({error.strerror or error})", file=sys.stderr)
+            return 2
     train = result["programs"]["train step"]
     if train.get("fits", True):
         return 0
@@ -407,6 +411,21 @@ def local_devices(config) -> list:
     return list(jax.devices())
 
 
+def check_writable(path: str) -> None:
+    """ValueError, before anything is compiled, for a --json PATH that cannot be written
+    (print_and_check still says it in one line if the write fails all the same)."""
+    target = Path(path)
+    if target.is_dir():
+        reason = "it is a directory"
+    elif not target.parent.is_dir():
+        reason = f"no directory {target.parent}"
+    elif not os.access(target if target.exists() else target.parent, os.W_OK):
+        reason = "permission denied"
+    else:
+        return
+    raise ValueError(f"cannot write --json {path} ({reason})")
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxgpt.cli import parse_config
     from jaxgpt.compile_args import parse_args, usage, wants_help
@@ -419,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options, config_argv = parse_args(argv)
         config = parse_config(config_argv, DEFAULT_CONFIG)
+        if "json" in options:
+            check_writable(options["json"])
         tidy_cli_output()
         topology = options.get("topology")
         devices = topology_devices(topology, options.get("chips_per_host")) if topology else local_devices(config)
