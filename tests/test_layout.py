@@ -177,6 +177,19 @@ def test_modules_and_functions_fit_on_a_screen():
     assert not too_long, "split by concern: " + "; ".join(too_long)
 
 
+def architecture_diagram() -> list[tuple[str, ...]]:
+    """The layer diagram of docs/ARCHITECTURE.md ("Layers"), lowest row first: each row's module
+    names, the words before its note (a note follows two spaces or more)."""
+    section = (ROOT / "docs" / "ARCHITECTURE.md").read_text().split("\n## Layers\n", 1)[1]
+    block = section.split("```\n", 2)[1]
+    return [tuple(line.split("  ")[0].split()) for line in block.splitlines() if line.strip()]
+
+
+def test_the_architecture_diagram_is_the_layers():
+    """Every layer of LAYERS is a row of the diagram, with the same modules, in the same order."""
+    assert architecture_diagram() == list(LAYERS)
+
+
 # --- the checker itself can fail ----------------------------------------------------------------
 
 
