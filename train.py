@@ -1,5 +1,9 @@
 """Train a GPT: `python train.py [--config=configs/NAME.py] [--config.train.lr=3e-4 ...]`.
 
+Every key of the config (jaxgpt.config.default_config() lists them, docs/CONFIG.md explains
+them) is set as --config.SECTION.KEY=VALUE (or --config.SECTION.KEY VALUE); a key whose default
+is None takes =None.
+
 With no --config, configs/default.py: a small GPT on the Python standard library's source,
 then a short sample. The run directory (default runs/<config name>) holds everything:
 config, tokenizer, checkpoints, metrics.jsonl, loss.png, sample.txt. Running the same
@@ -47,6 +51,9 @@ def parse(argv):
 
 
 def main(argv) -> int:
+    if {"-h", "--help"} & set(argv[1:]):
+        print(__doc__.strip())
+        return 0
     config = parse(argv)
     tidy_cli_output()
     from absl import logging as absl_logging

@@ -101,3 +101,10 @@ def test_a_json_write_that_fails_after_the_table_is_one_line(tmp_path, monkeypat
     out, err = capsys.readouterr()
     assert out == "the table\n" and err.startswith(f"jaxgpt.compile: cannot write --json {tmp_path} (")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_train_py_help_prints_its_usage_and_exits_0():
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("Train a GPT: `python train.py") and "--config.SECTION.KEY=VALUE" in done.stdout
