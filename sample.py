@@ -36,15 +36,16 @@ import jax
 from absl import logging as absl_logging
 
 from jaxgpt import beam, convert, sampling, viz
-from jaxgpt.attention.kernels import KERNELS, check_backend
+from jaxgpt.attention import KERNELS
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
 from jaxgpt.config import ComputeConfig
 from jaxgpt.data.records import PRESETS
 from jaxgpt.errors import tidy_cli_output
-from jaxgpt.model_config import DTYPES, WEIGHTS
+from jaxgpt.model_config import DTYPES, WEIGHTS, check_kernel
 from jaxgpt.quantize import params_for
 from jaxgpt.run import load_run
+from jaxgpt.rundir import read_run
 from jaxgpt.text import TextStream, format_next_tokens, prompt_or_start
 
 DIVIDER = "-" * 15
@@ -110,7 +111,6 @@ def check_args(args) -> None:
         raise ValueError("--calibrated uses the temperature eval.py --calibration fitted for a run: give --run_dir")
     if args.attention_png and args.weights != "float":
         raise ValueError("--attention_png draws the float model's attention: drop --weights int8 (or --attention_png)")
-    check_backend(args.kernel, jax.default_backend(), flag="--kernel")
     for name in ("num_samples", "max_new_tokens", "show_probs", "beams"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -265,6 +265,13 @@ def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int], co
         print(prompt + tokenizer.decode(beams.tokens[i, len(ids):beams.lengths[i]]))
 
 
+def check_kernel_here(args, compute: ComputeConfig) -> None:
+    """--kernel against the devices here and the model (model_config.check_kernel), before its
+    params are read."""
+    config = read_run(Path(args.run_dir))[1] if args.run_dir is not None else convert.load_hf_config(args.hf_dir)
+    check_kernel(compute.kernel, config, jax.default_backend(), dtype=compute.dtype, flag="--kernel")
+
+
 def load_model(args, compute: ComputeConfig):
     """(params as compute reads them, config, tokenizer) of --run_dir or --hf_dir."""
     if args.run_dir is not None:
@@ -279,6 +286,7 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         compute = compute_settings(args)
+        check_kernel_here(args, compute)
         text = read_prompt(args) if args.record is None else None
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
         params, config, tokenizer = load_model(args, compute)

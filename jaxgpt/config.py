@@ -41,15 +41,13 @@ from jaxgpt.data_config import (
 )
 from jaxgpt.errors import ConfigError, is_int, is_number, one_line
 from jaxgpt.model_config import COMPUTE_KEYS, ComputeConfig, GPTConfig
+from jaxgpt.optim import OPTIMIZERS, SCHEDULES  # the names train.optimizer and train.schedule may take
 
-__all__ = ["FLAT_DATA_KEYS", "GROUP_LRS", "MOVED_KEYS", "OPTIMIZERS", "RESUME", "SCHEDULES", "ComputeConfig",
+__all__ = ["FLAT_DATA_KEYS", "GROUP_LRS", "MOVED_KEYS", "RESUME", "ComputeConfig",
            "DataConfig", "FilesConfig", "GPTConfig", "HfConfig", "OcrConfig", "RecordsConfig", "SampleConfig",
            "TfdsConfig", "TrainConfig", "default_config", "load_config", "none_keys", "unknown_key"]
 
 RESUME = ("auto", "never", "must")
-# the names train.optimizer and train.schedule may take: jaxgpt.optim's registries implement each
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd")
 GROUP_LRS = ("embed_lr", "head_lr", "scalar_lr")  # each parameter group's own peak learning rate
 
 

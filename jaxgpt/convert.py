@@ -74,6 +74,7 @@ ACTIVATIONS_FROM_HF = {
     "relu2": "relu2",
 }
 ACTIVATIONS_TO_HF = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu", "relu2": "relu2"}
+GPT2 = GPTConfig()  # GPT-2's architecture: GPTConfig's defaults, which a model must keep to be exported as one
 
 # GPT2Config's defaults, which transformers uses for keys a config.json leaves out.
 HF_DEFAULTS = {
@@ -186,15 +187,16 @@ def config_from_hf(hf: Mapping[str, Any], source: str = CONFIG_FILE) -> GPTConfi
 def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) -> dict[str, Any]:
     """The config.json of the GPT-2 that is `cfg` (bos/eos ids from `tokenizer`); ValueError for what it cannot be."""
     refusals = [
-        (cfg.positions != "learned", f"positions={cfg.positions!r}: GPT-2 learns its position table ('learned')"),
+        (cfg.positions != GPT2.positions, f"positions={cfg.positions!r}: GPT-2 learns its position table "
+                                          f"({GPT2.positions!r})"),
         (cfg.norm != "layernorm", f"norm={cfg.norm!r}: GPT-2 uses LayerNorm ('layernorm')"),
         (cfg.norm_position != "pre", f"norm_position={cfg.norm_position!r}: GPT-2 normalises before each "
                                      "sublayer ('pre')"),
         (cfg.parallel_block, "parallel_block=True: GPT-2's attention and FFN are sequential"),
         (cfg.n_kv_head != cfg.n_head or cfg.head_dim * cfg.n_head != cfg.d_model or cfg.logits_bias
          or cfg.ffn_layers > 1, "n_kv_head, head_dim, logits_bias, ffn_layers: GPT-2 has only the defaults"),
-        (cfg.attention != "softmax", f"attention={cfg.attention!r}: GPT-2's attention is softmax over every "
-                                     "earlier position ('softmax')"),
+        (cfg.attention != GPT2.attention, f"attention={cfg.attention!r}: GPT-2's attention is softmax over every "
+                                          f"earlier position ({GPT2.attention!r})"),
         (cfg.qk_norm, "qk_norm=True: GPT-2 scores raw queries and keys"),
         (cfg.logit_softcap is not None, f"logit_softcap={cfg.logit_softcap!r}: GPT-2's logits are not capped"),
         (cfg.activation not in ACTIVATIONS_TO_HF, f"activation={cfg.activation!r}: GPT-2's FFN uses one of "
@@ -420,7 +422,7 @@ def crop_block_size(cfg: GPTConfig, params, block_size: int) -> tuple[GPTConfig,
     block_size rows (a sequence of at most that many tokens is computed exactly as before)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= cfg.block_size:
         raise ValueError(f"block_size={block_size!r}: must be an integer in 1…{cfg.block_size}, the model's context")
-    if cfg.positions == "learned":
+    if "wpe" in params:  # a learned position table: its rows past block_size go
         params = {**params, "wpe": {"embedding": params["wpe"]["embedding"][:block_size]}}
     return cfg.replace(block_size=block_size), params
 

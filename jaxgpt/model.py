@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxgpt import ops
 from jaxgpt.attention import FORMS, KERNELS, Where
 from jaxgpt.axes import rows_split
-from jaxgpt.config import ComputeConfig, GPTConfig
+from jaxgpt.model_config import ComputeConfig, GPTConfig
 from jaxgpt.positions import SCHEMES
 
 INIT_STD = 0.02

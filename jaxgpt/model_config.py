@@ -6,7 +6,12 @@
                    the compute and parameter dtypes, scan_layers. It belongs to the machine and
                    the command, not to the run: a resume or a sampler may choose any of it.
 
-Neither asks which devices exist; the run checks a kernel against its backend when it starts.
+    check_kernel   whether a kernel can compute a GPTConfig on a platform: what the model asks
+                   (needs: attention dropout in training, a bias, a window, segments) against
+                   what the kernel's record says it can do.
+
+Neither config asks which devices exist; every command checks its kernel against the devices
+and the model with check_kernel before anything compiles.
 """
 
 from __future__ import annotations
@@ -17,22 +22,22 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxgpt import ops
-from jaxgpt.attention import FORMS
-from jaxgpt.attention.kernels import AUTO, for_platform
-from jaxgpt.attention.kernels import KERNELS as KERNEL_FUNCTIONS
+from jaxgpt.attention import FORMS, KERNELS
+from jaxgpt.attention.kernels import AUTO, DEVICES, for_platform
 from jaxgpt.errors import is_int, is_number
 from jaxgpt.positions import SCHEMES
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu", "geglu", "silu", "glu")
-GATED = ("swiglu", "geglu", "glu")
 INITS = ("gpt2", "he", "small")
 # The registries are the lists of valid names: positions (jaxgpt.positions.SCHEMES), attention
-# forms (jaxgpt.attention.FORMS) and kernels (jaxgpt.attention.kernels.KERNELS); a new entry
-# there is valid here at once.
+# forms (jaxgpt.attention.FORMS), kernels (jaxgpt.attention.kernels.KERNELS), activations
+# (jaxgpt.ops.ACTIVATIONS) and feature maps (ops.FEATURE_MAPS); a new entry there is valid here at once.
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 WEIGHTS = ("float", "int8")  # how the weight matrices are stored: in param_dtype, or int8 with scales
+# what each ability of a kernel (jaxgpt.attention.kernels.Kernel) lets it do, as a refusal says it is missing
+ABILITIES = {"dropout": "apply attention dropout", "bias": "add a bias to the scores",
+             "window": "keep to a sliding window", "segments": "keep packed examples apart (segments)"}
 # the compute section's keys that older run directories kept in the model section, and the
 # kernels they named in model.attention
 COMPUTE_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
@@ -95,26 +100,27 @@ class GPTConfig:
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
                              f"choose n_kv_head among the divisors of n_head")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(
-                f"GPTConfig.positions='rope' needs an even head size, but head_dim = {self.head_dim}: "
-                f"choose an even head_dim (or d_model and n_head so that d_model/n_head is even)"
-            )
-        SCHEMES[self.positions].check(self)
-        FORMS[self.attention].check(self)
+        scheme, form = SCHEMES[self.positions], FORMS[self.attention]
+        scheme.check(self)
+        form.check(self)
+        if scheme.asks and not form.has_weights:
+            plain = " or ".join(repr(name) for name, other in SCHEMES.items() if not other.asks)
+            raise ValueError(f"GPTConfig.attention={self.attention!r} with positions={self.positions!r}: the scheme "
+                             f"asks softmax scores for a {' and a '.join(scheme.asks)}, and this form forms none; use "
+                             f"positions={plain}")
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
         for name, form in FORMS.items():
             for key in form.keys:
                 if name != self.attention and defaults[key] is None and getattr(self, key) is not None:
                     raise ValueError(f"GPTConfig.{key}={getattr(self, key)!r} with attention={self.attention!r}: "
                                      f"only attention={name!r} reads it; leave it None or set attention={name!r}")
-        if self.ffn_layers > 1 and self.activation in GATED:
+        if self.ffn_layers > 1 and self.activation in ops.GATED_ACTIVATIONS:
             raise ValueError(f"GPTConfig.ffn_layers={self.ffn_layers} with the gated activation "
                              f"{self.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
 
     def __post_init__(self):
         self._resolve_defaults()
-        if self.attention in KERNEL_FUNCTIONS:
+        if self.attention in KERNELS:
             raise ValueError(f"GPTConfig.attention={self.attention!r} is a kernel, how softmax attention runs: set "
                              f"compute.kernel={self.attention!r} (and attention='softmax', the default)")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
@@ -126,7 +132,7 @@ class GPTConfig:
             ("positions", SCHEMES),
             ("norm", NORMS),
             ("norm_position", NORM_POSITIONS),
-            ("activation", ACTIVATIONS),
+            ("activation", ops.ACTIVATIONS),
             ("attention", FORMS),
             ("init", INITS),
             ("linear_feature", ops.FEATURE_MAPS),
@@ -181,7 +187,10 @@ class ComputeConfig:
       blocked = the same in query blocks that skip the keys the causal mask hides; xla /
       cudnn = jax.nn.dot_product_attention (cudnn needs a CUDA GPU); flash = Pallas's flash
       attention (a TPU only); auto = the platform's own (flash on a TPU, cudnn on a GPU in
-      16 bits, explicit on a CPU), chosen for the devices a run compiles for (on).
+      16 bits, explicit on a CPU), chosen for the devices a run compiles for (on); when a run
+      trains with model.dropout > 0, one that applies attention dropout (blocked on a GPU or
+      TPU: the fused kernels never form the weights). A kernel chosen by name that cannot
+      compute the model as asked is refused (check_kernel).
     remat: recompute attention and the elementwise ops in the backward pass (less memory).
     dtype: the dtype the matmuls compute in. param_dtype: the dtype the parameters are kept
       in (training: also the optimizer's; sampling: the weights are cast to it once).
@@ -203,7 +212,7 @@ class ComputeConfig:
     weights: str = "float"
 
     def __post_init__(self):
-        _check_choice("ComputeConfig", "kernel", self.kernel, (*KERNEL_FUNCTIONS, AUTO))
+        _check_choice("ComputeConfig", "kernel", self.kernel, (*KERNELS, AUTO))
         _check_choice("ComputeConfig", "weights", self.weights, WEIGHTS)
         for name in ("dtype", "param_dtype"):
             _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
@@ -221,10 +230,16 @@ class ComputeConfig:
     def replace(self, **changes) -> ComputeConfig:
         return dataclasses.replace(self, **changes)
 
-    def on(self, platform: str) -> ComputeConfig:
+    def on(self, platform: str, cfg: GPTConfig | None = None, *, training: bool = False,
+           packed: bool = False) -> ComputeConfig:
         """This config for devices of `platform` ('cpu', 'gpu', 'tpu'): kernel 'auto' becomes
-        that platform's kernel (kernels.for_platform); otherwise itself."""
-        return self.replace(kernel=for_platform(platform, self.dtype)) if self.kernel == AUTO else self
+        that platform's kernel (kernels.for_platform) among those that can compute `cfg` as
+        asked (needs: in training, attention dropout; packed rows' segments);
+        otherwise itself."""
+        if self.kernel != AUTO:
+            return self
+        asked = () if cfg is None else needs(cfg, training=training, packed=packed)
+        return self.replace(kernel=for_platform(platform, self.dtype, asked))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -233,6 +248,49 @@ class ComputeConfig:
     def from_dict(cls, values: dict) -> ComputeConfig:
         """Build from a plain dict (e.g. a saved run's compute section); unknown keys are an error."""
         return _from_dict(cls, values)
+
+
+def needs(cfg, *, training: bool = False, packed: bool = False) -> dict[str, str]:
+    """What computing `cfg` asks of a softmax kernel: {ability of a Kernel: the setting that
+    asks it}. Attention dropout in training (model.dropout > 0), the form's and the positional
+    scheme's asks (a window, a bias), segments for packed rows; nothing of a form that forms
+    no softmax (it never calls the kernel)."""
+    form = FORMS[cfg.attention]
+    if not form.has_weights:
+        return {}
+    asked = {need: f"model.attention={cfg.attention!r}" for need in form.asks}
+    asked.update({need: f"model.positions={cfg.positions!r}" for need in SCHEMES[cfg.positions].asks})
+    if training and cfg.dropout > 0:
+        asked["dropout"] = f"model.dropout={cfg.dropout}"
+    if packed:
+        asked["segments"] = "packed records (data.format='records')"
+    return asked
+
+
+def check_kernel(kernel: str, cfg, platform: str, *, dtype="float32", training: bool = False, packed: bool = False,
+                 flag: str = "--config.compute.kernel") -> str:
+    """The kernel that computes `cfg` on devices of `platform` in `dtype` (`kernel`, or for
+    'auto' the one for_platform picks); a one-line ValueError naming `flag` and the kernels
+    that can when `kernel` needs another backend or dtype, or cannot do what cfg asks
+    (`needs`; cfg None: the model is not known yet, only the devices are checked). Every
+    command checks a kernel here, before anything compiles."""
+    asked = {} if cfg is None else needs(cfg, training=training, packed=packed)
+    if kernel == AUTO:
+        return for_platform(platform, dtype, asked)
+    record = KERNELS[kernel]
+    able = " or ".join(name for name, other in KERNELS.items() if other.runs(platform, dtype) and other.can(asked))
+    if record.backend not in (None, platform):
+        raise ValueError(f"{flag}={kernel} needs {DEVICES.get(record.backend, record.backend)}, but the devices are "
+                         f"{platform}: use {able} (the model computes the same)")
+    if not record.runs(platform, dtype):
+        dtypes = " or ".join(record.dtypes)
+        raise ValueError(f"{flag}={kernel} computes in {dtypes} only, not {jnp.dtype(dtype).name}: use {able} (the "
+                         f"model computes the same), or compute in {dtypes}")
+    for need, setting in asked.items():
+        if not getattr(record, need):
+            also = ", or model.dropout=0" if need == "dropout" else ""
+            raise ValueError(f"{flag}={kernel} does not {ABILITIES[need]} ({setting}): use {able}{also}")
+    return kernel
 
 
 def split_model(values: dict) -> tuple[dict, dict]:

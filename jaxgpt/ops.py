@@ -238,9 +238,10 @@ def glu(x):
     return jax.nn.sigmoid(a) * b
 
 
+# the gated ones halve their input (XW and XV side by side); the one list of each kind
+GATED_ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu, "glu": glu}
 ACTIVATIONS = {"gelu": gelu, "gelu_exact": gelu_exact, "relu": relu, "relu2": relu_squared, "silu": silu,
-               "swiglu": swiglu, "geglu": geglu, "glu": glu}
-GATED_ACTIVATIONS = frozenset({"swiglu", "geglu", "glu"})
+               **GATED_ACTIVATIONS}
 
 # --- positions ---------------------------------------------------------------------------
 

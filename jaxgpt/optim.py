@@ -11,19 +11,20 @@ warmup–stable–decay schedule, each parameter group at its own peak learning 
                                                                 momentum, NS its Newton–Schulz orthogonalisation)
 
 Both registries (OPTIMIZERS, SCHEDULES) map the names train.optimizer and train.schedule may
-take (jaxgpt.config) to their builders.
+take to their builders: they are the lists of those names (jaxgpt.config checks against them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from jaxgpt.config import TrainConfig
+TrainConfig = Any  # jaxgpt.config's train section, which checks its names against OPTIMIZERS and SCHEDULES here
 
 # --- learning-rate schedules --------------------------------------------------------------
 

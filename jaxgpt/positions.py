@@ -6,6 +6,7 @@
     bias(cfg, where)                        ALiBi: the bias on the attention scores
     ends_at_block_size                      positions past block_size do not exist
     check(cfg)                              a one-line ValueError for shapes it cannot serve
+    asks                                    what it asks of a softmax kernel ('bias': ALiBi's)
 
 A scheme overrides only the hooks it uses; the others are the identity (or no bias).
 """
@@ -21,6 +22,7 @@ class Scheme:
     """No positional information: every hook the identity ('none')."""
 
     ends_at_block_size = False
+    asks: tuple[str, ...] = ()  # the abilities of jaxgpt.attention.kernels.Kernel it needs
 
     def check(self, cfg) -> None:
         pass
@@ -74,6 +76,8 @@ class Rope(Scheme):
 
 class Alibi(Scheme):
     """The scores biased by −m_h·(distance) (ops.alibi_bias_at)."""
+
+    asks = ("bias",)
 
     def bias(self, cfg, where):
         return ops.alibi_bias_at(cfg.n_head, where.q_positions, where.k_positions)

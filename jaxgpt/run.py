@@ -31,13 +31,13 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from jaxgpt import data, metrics, rundir, sharding
-from jaxgpt.attention.kernels import check_backend
 from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
 from jaxgpt.config import ComputeConfig, GPTConfig, SampleConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError, one_line
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.lock import LockHeld, RunLock
 from jaxgpt.model import GPT, flops_per_token, layers_as
+from jaxgpt.model_config import check_kernel
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.preflight import check_memory, check_sections, check_unknown, start_from
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
@@ -91,12 +91,13 @@ def model_config(config, vocab_size: int) -> GPTConfig:
 
 
 def compute_config(config, platform: str | None = None) -> ComputeConfig:
-    """How the model runs on `platform` (default: JAX's backend here): the config's compute
-    section, its kernel checked against the devices (cuDNN needs a GPU, flash a TPU)."""
-    platform = platform or jax.default_backend()
-    compute = ComputeConfig.from_dict(dict(config.compute)).on(platform)
+    """How the model runs on `platform` (default: JAX's backend here) as the run trains it: the compute section,
+    its kernel (auto: the platform's own) checked against the devices and the model by model_config.check_kernel."""
+    compute, platform = ComputeConfig.from_dict(dict(config.compute)), platform or jax.default_backend()
+    cfg, packed = model_config(config, vocab_size=1), config.data.format == "records"
     try:
-        check_backend(compute.kernel, platform)
+        compute = compute.replace(kernel=check_kernel(compute.kernel, cfg, platform, dtype=compute.dtype,
+                                                      training=True, packed=packed))
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if compute.weights != "float":

@@ -31,6 +31,7 @@ from absl import logging as absl_logging
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
+from jaxgpt.attention import FORMS
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.config import GPTConfig
 from jaxgpt.errors import tidy_cli_output
@@ -115,8 +116,8 @@ def explicit_forward(params, cfg: GPTConfig, tokens):
     """The model on tokens (1, T) with its attention in the explicit form, which sows the
     weights it computes (the fused 'xla'/'cudnn' kernels compute the same function without
     ever materialising them): (logits (1, T, V), {'h_l': attention weights (1, H, T, T)})."""
-    if cfg.attention == "linear":
-        raise ValueError("attention='linear' has no attention weights to draw (no softmax over the keys): "
+    if not FORMS[cfg.attention].has_weights:
+        raise ValueError(f"attention={cfg.attention!r} has no attention weights to draw (no softmax over the keys): "
                          "draw a model with softmax attention")
     # GPT(cfg) runs the explicit kernel with the blocks per layer
     logits, state = GPT(cfg).apply({"params": layers_as(params, False)}, tokens, mutable=["intermediates"])

@@ -26,7 +26,7 @@ def test_defaults_are_gpt2():
         (dict(positions="rotary"), r"positions='rotary': must be one of learned, sinusoidal, rope, alibi, none"),
         (dict(norm="batchnorm"), r"norm='batchnorm': must be one of layernorm, rmsnorm"),
         (dict(norm_position="middle"), r"norm_position='middle': must be one of pre, post"),
-        (dict(activation="tanh"), r"activation='tanh': must be one of gelu, gelu_exact, relu, relu2, swiglu, geglu"),
+        (dict(activation="tanh"), r"activation='tanh': must be one of gelu, gelu_exact, relu, relu2, silu, swiglu"),
         (dict(attention="ring"), r"attention='ring': must be one of softmax, linear, local"),
         (dict(attention="xla"), r"attention='xla' is a kernel.*set compute.kernel='xla'"),
         (dict(attention="local"), r"window=None with attention='local'"),

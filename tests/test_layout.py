@@ -22,11 +22,11 @@ PACKAGE = ROOT / "jaxgpt"
 LAYERS = (
     ("errors", "files", "lazy", "ops", "axes", "platforms"),  # axes: the mesh's names; platforms: JAX's
     ("attention", "positions"),  # the registries of forms, kernels and positional schemes
-    ("model_config",),  # validates names against those registries
+    ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
     ("data_config",),  # the data section of the schema
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
-    ("optim", "data", "model"),
+    ("data", "model"),
     ("training", "decoding", "convert", "quantize"),
     ("evaluation", "sampling", "beam", "rundir", "likelihood"),  # likelihood: scores of continuations and texts
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
@@ -148,6 +148,84 @@ def test_data_tokenizers_and_optim_know_nothing_of_the_model(lower):
     bad = [f"{a} imports {b}" for a, targets in graph.items() if unit(a) == lower
            for b in targets if unit(b) in model_side]
     assert not bad, bad
+
+
+def transitive_imports(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Every jaxgpt module `name` imports, directly or through others (a package's __init__ included)."""
+    found, todo = set(), [name]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in found:
+                found.add(target)
+                todo.append(target)
+    return found
+
+
+def third_party_imports(source: str) -> set[str]:
+    """The top-level names of the packages outside jaxgpt that `source` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"jaxgpt"}
+
+
+def test_the_model_imports_its_configs_from_model_config_not_the_run_schema():
+    """What a model is (GPTConfig) and how it runs (ComputeConfig) come from model_config: the
+    model knows nothing of the run's schema, the data section or ml_collections."""
+    graph, found = import_graph(), modules()
+    below = transitive_imports(graph, "jaxgpt.model")
+    assert not below & {"jaxgpt.config", "jaxgpt.data_config"}, sorted(below)
+    assert "jaxgpt.model_config" in below
+    with_ml_collections = [name for name in below | {"jaxgpt.model"}
+                           if "ml_collections" in third_party_imports(found[name].read_text())]
+    assert not with_ml_collections, with_ml_collections
+
+
+# Callers ask a form, scheme or kernel's record what it does (Form.has_weights, Scheme.asks,
+# Kernel.dropout, …), never its name. The registries' own files, and the config's check of the
+# names, are where names are read.
+NAMES_READ_HERE = ("jaxgpt/attention/", "jaxgpt/positions.py", "jaxgpt/model_config.py")
+# Tests by name in files their owners are changing now, at most so many: each to ask the record instead
+NAME_TESTS_TO_GO = {"jaxgpt/model.py": 1, "jaxgpt/likelihood.py": 2, "jaxgpt/analysis/circuits.py": 1}
+
+
+def registry_names() -> set[str]:
+    from jaxgpt.attention import FORMS, KERNELS
+    from jaxgpt.positions import SCHEMES
+
+    # 'none' (no positions) is also how a command line spells None, which cli.py reads
+    return (set(FORMS) | set(SCHEMES) | set(KERNELS)) - {"none"}
+
+
+def name_tests(source: str, names: set[str]) -> list[int]:
+    """The lines of `source` that compare something with one of `names` (==, !=, in, not in: a
+    string, or a tuple, list or set of them)."""
+    def named(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(element) for element in node.elts)
+        return isinstance(node, ast.Constant) and node.value in names
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and any(named(side) for side in (node.left, *node.comparators))]
+
+
+def test_no_module_tests_a_form_scheme_or_kernel_by_name():
+    names, found = registry_names(), {}
+    for path in modules().values():
+        relative = path.relative_to(ROOT).as_posix()
+        lines = name_tests(path.read_text(), names)
+        if lines and not relative.startswith(NAMES_READ_HERE):
+            found[relative] = lines
+    grown = {path: lines for path, lines in found.items() if len(lines) > NAME_TESTS_TO_GO.get(path, 0)}
+    assert not grown, f"ask the registry's record (jaxgpt.attention, jaxgpt.positions), not the name: {grown}"
+
+
+def test_the_name_check_finds_a_comparison_with_a_registry_name():
+    source = 'if cfg.attention == "linear":\n    pass\nok = kind in ("rope", "alibi")\nmessage = "linear"\n'
+    assert name_tests(source, {"linear", "alibi"}) == [1, 3]
 
 
 def test_configs_import_only_the_config_schema():

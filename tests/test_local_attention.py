@@ -11,7 +11,7 @@ import reference as ref
 from test_model import decode_step_by_step, forward, random_params, tiny, tokens
 
 from jaxgpt import ComputeConfig, GPTConfig, init_cache, sampling
-from jaxgpt.attention import KERNELS, RingCache, kernels
+from jaxgpt.attention import KERNELS, Kernel, RingCache, kernels
 
 
 def close(a, b, tol=1e-5):
@@ -19,7 +19,8 @@ def close(a, b, tol=1e-5):
 
 
 def test_a_kernel_added_to_the_registry_is_a_compute_setting_at_once(monkeypatch):
-    """The registry is the list of valid names: one entry there, and nothing else, makes a kernel."""
+    """The registry is the list of valid names: one entry there (the function and its record of
+    what it can do), and nothing else, makes a kernel."""
     calls = []
 
     def counting(q, k, v, where, bias_of, on_weights):
@@ -28,7 +29,8 @@ def test_a_kernel_added_to_the_registry_is_a_compute_setting_at_once(monkeypatch
 
     with pytest.raises(ValueError, match=r"kernel='counting': must be one of explicit, blocked, xla, cudnn"):
         ComputeConfig(kernel="counting")
-    monkeypatch.setitem(KERNELS, "counting", counting)
+    monkeypatch.setitem(KERNELS, "counting", Kernel(counting, backend=None, dropout=True, bias=True, window=True,
+                                                    segments=True))
     cfg = tiny()
     params, x = random_params(cfg), tokens(cfg, 2, 9)
     close(forward(cfg, params, x, compute=ComputeConfig(kernel="counting")), forward(cfg, params, x))

@@ -230,10 +230,18 @@ def test_group_rates_follow_the_schedule_to_their_own_minimum():
         np.testing.assert_allclose(updates["h_0"]["attn"]["c_attn"]["kernel"], -0.01 * factor, rtol=1e-5)
 
 
-def test_the_registries_implement_exactly_the_names_the_config_accepts():
-    from jaxgpt import config, optim
+def test_a_schedule_or_optimizer_added_to_its_registry_is_a_train_setting_at_once(monkeypatch):
+    """The registries are the lists of valid names: the config checks against them, so one entry
+    there, and nothing else, makes a setting."""
+    from jaxgpt import optim
+    from jaxgpt.errors import ConfigError
 
-    assert tuple(optim.OPTIMIZERS) == config.OPTIMIZERS and tuple(optim.SCHEDULES) == config.SCHEDULES
+    with pytest.raises(ConfigError, match=r"train.schedule='flat': must be 'cosine' or 'wsd'"):
+        TrainConfig(schedule="flat")
+    monkeypatch.setitem(optim.SCHEDULES, "flat", lambda train: optax.constant_schedule(train.lr))
+    monkeypatch.setitem(optim.OPTIMIZERS, "sgd", lambda train, schedule, *layout: optax.sgd(schedule))
+    train = TrainConfig(schedule="flat", optimizer="sgd", lr=0.5, warmup_steps=0)
+    assert float(optim.learning_rate_schedule(train)(7)) == 0.5
 
 
 @pytest.mark.parametrize("changes, message", [

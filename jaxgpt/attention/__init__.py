@@ -6,21 +6,24 @@ with its cache, and the softmax kernels (a compute setting, config.compute.kerne
     init_cache(cfg, batch_size, max_length, dtype)    the form's empty cache, for decoding
 
 A new form is a file with a Form (base.py says what it implements) and a line in FORMS; a
-new kernel is a function in kernels.py and a line in KERNELS.
+new kernel is a function in kernels.py and its Kernel record in KERNELS. Forms, positional
+schemes and kernels declare what they ask and what they can do (Form.asks, Scheme.asks,
+Kernel's abilities): callers ask the records, never the names
+(jaxgpt.model_config.check_kernel: whether a kernel can compute a model here).
 """
 
 from __future__ import annotations
 
 from jaxgpt.attention import linear, local, softmax
 from jaxgpt.attention.base import Form, Where
-from jaxgpt.attention.kernels import KERNELS
+from jaxgpt.attention.kernels import KERNELS, Kernel
 from jaxgpt.attention.linear import LinearCache
 from jaxgpt.attention.local import RingCache
 from jaxgpt.attention.softmax import KVCache
 
 FORMS: dict[str, Form] = {"softmax": softmax.FORM, "linear": linear.FORM, "local": local.FORM}
 
-__all__ = ["FORMS", "KERNELS", "Form", "KVCache", "LinearCache", "RingCache", "Where", "init_cache"]
+__all__ = ["FORMS", "KERNELS", "Form", "KVCache", "Kernel", "LinearCache", "RingCache", "Where", "init_cache"]
 
 
 def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=None):

@@ -61,6 +61,14 @@ class Form(NamedTuple):
       GPTConfig when it is made).
     keys: the GPTConfig fields only this form reads; one that defaults to None must stay None
       under the other forms.
+    has_weights: it forms attention weights softmax(QKᵀ/√D + bias + M) by the kernel, so the
+      kernel matters, pictures can draw the weights and W_QK describes the scores; False: it
+      forms no softmax (the kernel is never called, and a positional bias has nothing to bias).
+    asks: what it asks of a kernel (the names of kernels.Kernel's abilities: 'window').
+    slots_by_position: its cache holds each token in the slot of its position, so a read may
+      start at any position of a row, a token read again rewrites its own slot, and a slot
+      past what a row has read is attended by no query before it is written (softmax's KV
+      cache; jaxgpt.likelihood reads contexts and continuations in windows through it).
     """
 
     attend: Callable[..., tuple[jax.Array, Any]]
@@ -68,3 +76,6 @@ class Form(NamedTuple):
     grows_past_context: bool = False
     check: Callable[[Any], None] = lambda cfg: None
     keys: tuple[str, ...] = ()
+    has_weights: bool = True
+    asks: tuple[str, ...] = ()
+    slots_by_position: bool = False

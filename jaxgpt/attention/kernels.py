@@ -3,10 +3,15 @@ softmax(QKᵀ/√D + bias + M) V (a compute setting, config.compute.kernel; neve
 identity). A kernel takes q (B,T,H,D), k and v (B,S,H_kv,D), the Where that makes the mask M,
 bias_of(where) → the bias on the scores (ALiBi) or None, and on_weights(weights, whole) →
 the weights to use (attention dropout, and a record of the whole map for pictures; only the
-kernels that form the weights call it). It returns the context (B,T,H,D)."""
+kernels that form the weights call it). It returns the context (B,T,H,D).
+
+KERNELS maps each name to a Kernel: the function and what it can do (the backend it needs,
+attention dropout, a bias, a window, segments, its dtypes). jaxgpt.model_config.check_kernel asks
+the record whether a kernel can compute a model; 'auto' picks one that can (for_platform)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -41,7 +46,8 @@ def blocked(q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
 
 def _library(implementation: str):
     def library(q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
-        """jax.nn.dot_product_attention (grouped heads as they are; no attention dropout)."""
+        """jax.nn.dot_product_attention (grouped heads as they are; it never forms the weights, so
+        no attention dropout)."""
         bias = bias_of(where)
         return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
                                             mask=where.mask(), implementation=implementation)
@@ -91,28 +97,58 @@ def flash(q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
     return heads(attend(heads(q), heads(k), heads(v), bias, segments))
 
 
-KERNELS = {"explicit": explicit, "blocked": blocked, "xla": xla, "cudnn": cudnn, "flash": flash}
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A softmax kernel and what it can do: callers ask the record, never the name.
+
+    fn(q, k, v, where, bias_of, on_weights) → context (the module docstring says how).
+    backend: the platform it needs (jax.Device.platform: 'gpu', 'tpu'); None: any.
+    dropout: it forms the weights and calls on_weights, so attention dropout applies.
+    bias: it adds bias_of's bias to the scores (ALiBi's). window: it keeps to a Where's
+    sliding window (attention='local'). segments: it keeps packed examples apart (a Where's
+    segments). dtypes: the compute dtypes it computes in; None: any."""
+
+    fn: Callable
+    backend: str | None
+    dropout: bool
+    bias: bool
+    window: bool
+    segments: bool
+    dtypes: tuple[str, ...] | None = None
+
+    def __call__(self, q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
+        return self.fn(q, k, v, where, bias_of, on_weights)
+
+    def runs(self, platform: str, dtype) -> bool:
+        """It runs on devices of `platform`, computing in `dtype`."""
+        return self.backend in (None, platform) and (self.dtypes is None or jnp.dtype(dtype).name in self.dtypes)
+
+    def can(self, needs) -> bool:
+        """It does each of `needs` (names of its abilities: 'dropout', 'bias', 'window', 'segments')."""
+        return all(getattr(self, need) for need in needs)
+
+
+HALF = ("bfloat16", "float16")
+KERNELS = {
+    "explicit": Kernel(explicit, backend=None, dropout=True, bias=True, window=True, segments=True),
+    "blocked": Kernel(blocked, backend=None, dropout=True, bias=True, window=True, segments=True),
+    "xla": Kernel(xla, backend=None, dropout=False, bias=True, window=True, segments=True),
+    "cudnn": Kernel(cudnn, backend="gpu", dropout=False, bias=True, window=True, segments=True, dtypes=HALF),
+    "flash": Kernel(flash, backend="tpu", dropout=False, bias=True, window=True, segments=True),
+}
 AUTO = "auto"  # a compute setting too: the kernel of the platform the program is compiled for (for_platform)
+# the kernels 'auto' prefers on each platform, best first; explicit, which does everything, last
+PREFERENCE = {"tpu": ("flash", "blocked"), "gpu": ("cudnn", "xla", "blocked")}
+DEVICES = {"cpu": "a CPU", "gpu": "a CUDA GPU", "tpu": "a TPU"}  # how a message names a platform
 
 
-def for_platform(platform: str, dtype) -> str:
-    """The kernel 'auto' stands for on a platform (jax.Device.platform): flash on a TPU;
-    cuDNN's on a GPU computing in 16 bits (which cuDNN's attention needs), else XLA's; on a
-    CPU explicit (the fastest there)."""
-    if platform == "tpu":
-        return "flash"
-    if platform == "gpu":
-        return "cudnn" if jnp.dtype(dtype).itemsize == 2 else "xla"
-    return "explicit"
-# the backend each kernel needs (jax.default_backend()'s name); the others run anywhere
-NEEDS = {"cudnn": ("gpu", "a CUDA GPU"), "flash": ("tpu", "a TPU")}
-
-
-def check_backend(kernel: str, platform: str, flag: str = "--config.compute.kernel") -> None:
-    """ValueError (one line, naming `flag` and the kernels that run here) when `kernel` needs
-    another backend than `platform`: every command checks a kernel here, the same way."""
-    needs, device = NEEDS.get(kernel, (platform, ""))
-    if needs != platform:
-        here = [name for name in KERNELS if NEEDS.get(name, (platform,))[0] == platform]
-        raise ValueError(f"{flag}={kernel} needs {device}, but the devices are {platform}: use {' or '.join(here)} "
-                         "(the model computes the same)")
+def for_platform(platform: str, dtype, needs=()) -> str:
+    """The kernel 'auto' stands for on a platform (jax.Device.platform) computing in `dtype`:
+    the first of PREFERENCE that runs there and does every one of `needs` (model_config.needs):
+    flash on a TPU; cuDNN's on a GPU computing in 16 bits, else XLA's; with attention dropout
+    in training, blocked on either (the fused kernels never form the weights); explicit on a
+    CPU (the fastest there)."""
+    for name in (*PREFERENCE.get(platform, ()), "explicit"):
+        if KERNELS[name].runs(platform, dtype) and KERNELS[name].can(needs):
+            return name
+    raise AssertionError("the explicit kernel runs anywhere and does everything")

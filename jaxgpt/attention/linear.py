@@ -74,10 +74,4 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=None) 
                        limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32))
 
 
-def check(cfg) -> None:
-    if cfg.positions == "alibi":
-        raise ValueError("GPTConfig.attention='linear' with positions='alibi': ALiBi is a bias on softmax "
-                         "scores, which linear attention has none of; use positions='rope' or 'none'")
-
-
-FORM = Form(attend=attend, init_cache=init_cache, grows_past_context=True, check=check, keys=("linear_feature",))
+FORM = Form(attend=attend, init_cache=init_cache, grows_past_context=True, keys=("linear_feature",), has_weights=False)

@@ -106,4 +106,4 @@ def check(cfg) -> None:
         raise ValueError(f"GPTConfig.window={window!r}: must be a positive integer")
 
 
-FORM = Form(attend=attend, init_cache=init_cache, check=check, keys=("window",))
+FORM = Form(attend=attend, init_cache=init_cache, check=check, keys=("window",), asks=("window",))

@@ -96,4 +96,4 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.fl
                    segments=jnp.zeros((batch_size, max_length), jnp.int32))
 
 
-FORM = Form(attend=attend, init_cache=init_cache)
+FORM = Form(attend=attend, init_cache=init_cache, slots_by_position=True)
