@@ -91,8 +91,7 @@ def model_config(config, vocab_size: int) -> GPTConfig:
 
 
 def compute_config(config, platform: str | None = None) -> ComputeConfig:
-    """How the model runs on `platform` (default: JAX's backend here) as the run trains it: the compute section,
-    its kernel (auto: the platform's own) checked against the devices and the model by model_config.check_kernel."""
+    """The compute section on `platform` (default: here), its kernel checked for training by model_config.check_kernel."""
     compute, platform = ComputeConfig.from_dict(dict(config.compute)), platform or jax.default_backend()
     cfg, packed = model_config(config, vocab_size=1), config.data.format == "records"
     try:
