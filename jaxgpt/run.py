@@ -91,7 +91,7 @@ def model_config(config, vocab_size: int) -> GPTConfig:
 
 
 def compute_config(config, platform: str | None = None) -> ComputeConfig:
-    """The compute section on `platform` (default: here), its kernel checked for training by model_config.check_kernel."""
+    """The compute section on `platform` (default: here), its kernel checked for training: model_config.check_kernel."""
     compute, platform = ComputeConfig.from_dict(dict(config.compute)), platform or jax.default_backend()
     cfg, packed = model_config(config, vocab_size=1), config.data.format == "records"
     try:
