@@ -32,6 +32,7 @@ from table import print_table  # noqa: E402
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token  # noqa: E402
 from jaxgpt.config import TrainConfig, load_config  # noqa: E402
 from jaxgpt.metrics import cached_matmul_peak  # noqa: E402
+from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.sampling import generate  # noqa: E402
 from jaxgpt.training import init_state, make_train_step  # noqa: E402
@@ -68,7 +69,7 @@ def peak_memory_gib() -> float:
 
 def train_numbers(gpt: GPT, batch: int, steps: int) -> dict:
     cfg, train = gpt.cfg, TrainConfig(steps=1000, warmup_steps=10)
-    optimizer = make_optimizer(train)
+    optimizer = make_optimizer(train, param_layout(gpt))
     step = jax.jit(make_train_step(gpt, optimizer, learning_rate_schedule(train)), donate_argnums=0)
     state = jax.jit(lambda key: init_state(gpt, optimizer, key))(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (batch, cfg.block_size + 1), 0, cfg.vocab_size)

@@ -35,13 +35,15 @@ from table import print_table  # noqa: E402
 
 from jaxgpt import GPTConfig, checkpoint  # noqa: E402
 from jaxgpt.config import TrainConfig  # noqa: E402
+from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import make_optimizer  # noqa: E402
 from jaxgpt.training import init_state  # noqa: E402
 
 
 def gpt2_small_state() -> dict:
     """GPT-2 small's train state as `Checkpoints.save` takes it, computed and on the devices."""
-    state = jax.jit(lambda: init_state(GPTConfig(), make_optimizer(TrainConfig()), 0).to_dict())()
+    optimizer = make_optimizer(TrainConfig(), param_layout(GPTConfig()))
+    state = jax.jit(lambda: init_state(GPTConfig(), optimizer, 0).to_dict())()
     return jax.block_until_ready(state)
 
 

@@ -28,6 +28,7 @@ from table import print_table  # noqa: E402
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig  # noqa: E402
 from jaxgpt.config import TrainConfig  # noqa: E402
+from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.training import init_state, make_train_step  # noqa: E402
 
@@ -36,8 +37,8 @@ BATCH = 8
 
 def compile_seconds(cfg: GPTConfig, scan_layers: bool = False) -> float:
     train = TrainConfig(steps=100, warmup_steps=10)
-    optimizer = make_optimizer(train)
     model = GPT(cfg, ComputeConfig(scan_layers=scan_layers))
+    optimizer = make_optimizer(train, param_layout(model))
     step = jax.jit(make_train_step(model, optimizer, learning_rate_schedule(train)))
     state = jax.eval_shape(lambda: init_state(model, optimizer, jax.random.key(0)))
     batch = (jax.ShapeDtypeStruct((BATCH, cfg.block_size), jnp.int32),) * 2

@@ -75,6 +75,7 @@ def step_speed(work: Path, repeats: int = 5, steps: int = 20) -> list[list[str]]
 
     from jaxgpt import data
     from jaxgpt.config import TrainConfig
+    from jaxgpt.model import param_layout
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
     from jaxgpt.run import model_config
     from jaxgpt.training import init_state, make_train_step
@@ -82,7 +83,7 @@ def step_speed(work: Path, repeats: int = 5, steps: int = 20) -> list[list[str]]
     config = demo_config(work, 1000)
     corpus = data.prepare(config.data)
     cfg, train_cfg = model_config(config, corpus.tokenizer.vocab_size), TrainConfig.from_mapping(config.train)
-    optimizer = make_optimizer(train_cfg)
+    optimizer = make_optimizer(train_cfg, param_layout(cfg))
     step = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(train_cfg)), donate_argnums=0)
     examples, rows = corpus.examples["train"], []
     speeds = {}

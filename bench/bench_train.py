@@ -49,7 +49,7 @@ def measure(shape: str, prefetch: bool = True) -> dict:
     from jaxgpt import data, sharding
     from jaxgpt.config import TrainConfig
     from jaxgpt.metrics import IN_FLIGHT, measure_matmul_peak
-    from jaxgpt.model import flops_per_token
+    from jaxgpt.model import flops_per_token, param_layout
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
     from jaxgpt.run import model_config
     from jaxgpt.training import make_train_step, seeded, sharded_init
@@ -63,7 +63,7 @@ def measure(shape: str, prefetch: bool = True) -> dict:
     cfg = model_config(config, corpus.tokenizer.vocab_size)
     tc = TrainConfig.from_mapping(config.train)
     mesh = sharding.make_mesh(config.mesh)
-    optimizer = make_optimizer(tc)
+    optimizer = make_optimizer(tc, param_layout(cfg))
     state, shardings = sharded_init(cfg, optimizer, tc.seed, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
     step_fn = jax.jit(seeded(make_train_step(cfg, optimizer, learning_rate_schedule(tc), accum)),

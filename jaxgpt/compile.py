@@ -184,7 +184,7 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
 
     from jaxgpt import preflight, run, sharding
     from jaxgpt.config import TrainConfig
-    from jaxgpt.model import GPT, flops_per_token
+    from jaxgpt.model import GPT, flops_per_token, param_layout
     from jaxgpt.optim import make_optimizer
     from jaxgpt.training import abstract_state
 
@@ -193,7 +193,8 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
     cfg, compute = model_of(config), run.compute_config(config, platform)
     train_cfg = TrainConfig.from_mapping(config.train)
     preflight.check_batch_sizes(train_cfg, mesh)
-    gpt, optimizer, packed = GPT(cfg, compute), make_optimizer(train_cfg), config.data.format == "records"
+    gpt, packed = GPT(cfg, compute), config.data.format == "records"
+    optimizer = make_optimizer(train_cfg, param_layout(gpt))
     abstract = abstract_state(gpt, optimizer, mesh)
     lowered = run.lower_train_step(gpt, train_cfg, mesh, optimizer, abstract, packed)
     tokens = train_cfg.grad_accum * train_cfg.batch_size * cfg.block_size

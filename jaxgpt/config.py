@@ -60,7 +60,7 @@ class TrainConfig:
     the rest through AdamW). schedule: 'cosine' (linear warmup, cosine decay to min_lr) or 'wsd'
     (linear warmup, constant, a linear cooldown to min_lr over the last cooldown_fraction of
     the schedule's steps). embed_lr, head_lr, scalar_lr: the peak learning rates of the
-    embedding tables, the untied unembedding (lm_head) and the biases and gains (None: lr);
+    embedding tables, the untied unembedding and the biases and gains (None: lr);
     each group follows lr's schedule scaled to its own peak. muon_*: Muon's momentum β, its
     Newton–Schulz steps, and Nesterov momentum."""
 
@@ -72,7 +72,7 @@ class TrainConfig:
     lr: float = 1e-3  # the peak learning rate (under muon: of the blocks' weight matrices)
     min_lr: float = 1e-4
     embed_lr: float | None = None  # the embedding tables' peak; None: lr
-    head_lr: float | None = None  # the untied unembedding's (lm_head) peak; None: lr
+    head_lr: float | None = None  # the untied unembedding's peak; None: lr
     scalar_lr: float | None = None  # biases' and norm gains' peak; None: lr
     schedule: str = "cosine"  # cosine | wsd (warmup, stable, linear cooldown)
     warmup_steps: int = 100

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import ops
+from jaxgpt import layout, ops
 from jaxgpt.attention import FORMS, KERNELS, Where
 from jaxgpt.axes import rows_split
 from jaxgpt.model_config import ComputeConfig, GPTConfig
@@ -52,8 +52,10 @@ def embedding_std(cfg: GPTConfig) -> float:
 
 
 class Linear(nn.Module):
-    """y = x W + b, with W of shape (input dims…, output dims…) as Flax's DenseGeneral has it;
-    the input dims are the last `n_in` axes of x. Computed as one 2-D matmul (ops.linear).
+    """y = x W + b, with W of shape (input dims…, output dims…): the input dims are the last
+    `n_in` axes of x. Computed as one 2-D matmul (ops.linear). `axes` names W's dimensions
+    (jaxgpt.layout: inputs first, then outputs); b is named by the output ones, and by `norm`
+    for a vector of width d_model.
     W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual), or is zero at first with
     `zero_init` (cfg.zero_init_out's projections).
 
@@ -62,8 +64,10 @@ class Linear(nn.Module):
     such params come from jaxgpt.quantize, not from init."""
 
     features: tuple
+    axes: tuple  # logical names of W's dimensions: n_in inputs, then one per feature
     cfg: GPTConfig
     compute: ComputeConfig
+    group: str = "matrix"  # jaxgpt.layout.GROUPS: 'head' for the unembedding
     n_in: int = 1
     use_bias: bool = True
     residual: bool = False  # writes into the residual stream
@@ -75,19 +79,24 @@ class Linear(nn.Module):
         in_shape, out_shape = x.shape[x.ndim - self.n_in:], tuple(self.features)
         batch = x.shape[: x.ndim - self.n_in]
         x2 = x.reshape(*batch, math.prod(in_shape)).astype(dtype)
+        in_axes, out_axes = self.axes[:self.n_in], self.axes[self.n_in:]
         if self.compute.weights == "int8":
-            q = self.param("kernel_q", nn.initializers.zeros, (*out_shape, *in_shape), jnp.int8)
-            scale = self.param("kernel_scale", nn.initializers.ones, out_shape, jnp.float32)
+            q = self.param("kernel_q", layout.declare(nn.initializers.zeros, (*out_axes, *in_axes), group=self.group),
+                           (*out_shape, *in_shape), jnp.int8)
+            scale = self.param("kernel_scale", layout.declare(nn.initializers.ones, out_axes), out_shape, jnp.float32)
             rows = x2.reshape(-1, x2.shape[-1])
             y = ops.int8_linear(rows, q.reshape(scale.size, -1), scale.reshape(-1)).reshape(*batch, *out_shape)
         else:
             std = kernel_std(cfg, math.prod(in_shape), self.residual)
             init = nn.initializers.zeros if self.zero_init else normal(std)
-            kernel = self.param("kernel", init, (*in_shape, *out_shape), param_dtype)
+            kernel = self.param("kernel", layout.declare(init, self.axes, inputs=self.n_in, group=self.group),
+                                (*in_shape, *out_shape), param_dtype)
             w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(dtype)
             y = ops.linear(x2, w2).reshape(*batch, *out_shape)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, out_shape, param_dtype).astype(dtype)
+            bias_axes = ("norm",) if out_axes == ("embed",) else out_axes
+            y = y + self.param("bias", layout.declare(nn.initializers.zeros, bias_axes), out_shape,
+                               param_dtype).astype(dtype)
         return rows_split(y)
 
 
@@ -102,8 +111,10 @@ class Int8Embed(nn.Module):
 
     def setup(self):
         shape = (self.num_embeddings, self.features)
-        self.embedding_q = self.param("embedding_q", nn.initializers.zeros, shape, jnp.int8)
-        self.embedding_scale = self.param("embedding_scale", nn.initializers.ones, shape[:1], jnp.float32)
+        self.embedding_q = self.param("embedding_q", layout.declare(nn.initializers.zeros, ("vocab", "embed"),
+                                                                    group="embed"), shape, jnp.int8)
+        self.embedding_scale = self.param("embedding_scale", layout.declare(nn.initializers.ones, ("vocab",)),
+                                          shape[:1], jnp.float32)
 
     def __call__(self, tokens):
         rows = ops.dequantize(jnp.take(self.embedding_q, tokens, axis=0), jnp.take(self.embedding_scale, tokens))
@@ -119,12 +130,14 @@ class LayerNorm(nn.Module):
 
     cfg: GPTConfig
     compute: ComputeConfig
+    axis: str = "norm"  # the logical axis of γ and β
 
     @nn.compact
     def __call__(self, x):
         d, dtype = x.shape[-1], self.compute.params_dtype
-        scale = self.param("scale", nn.initializers.ones, (d,), dtype)
-        bias = self.param("bias", nn.initializers.zeros, (d,), dtype) if self.cfg.bias else None
+        scale = self.param("scale", layout.declare(nn.initializers.ones, (self.axis,)), (d,), dtype)
+        bias = self.param("bias", layout.declare(nn.initializers.zeros, (self.axis,)), (d,), dtype) if self.cfg.bias \
+            else None
         return ops.layer_norm(x, scale, bias, self.cfg.norm_eps)
 
 
@@ -133,10 +146,12 @@ class RMSNorm(nn.Module):
 
     cfg: GPTConfig
     compute: ComputeConfig
+    axis: str = "norm"  # the logical axis of γ
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.compute.params_dtype)
+        scale = self.param("scale", layout.declare(nn.initializers.ones, (self.axis,)), (x.shape[-1],),
+                           self.compute.params_dtype)
         return ops.rms_norm(x, scale, self.cfg.norm_eps)
 
 
@@ -176,11 +191,20 @@ class CausalSelfAttention(nn.Module):
         """Q (B, T, H, D), K and V (B, T, H_kv, D)."""
         cfg, compute = self.cfg, self.compute
         if cfg.n_kv_head == cfg.n_head:
-            qkv = Linear((3, cfg.n_head, cfg.head_dim), cfg, compute, use_bias=cfg.bias, name="c_attn")(x)
+            qkv = Linear((3, cfg.n_head, cfg.head_dim), ("embed", "qkv", "heads", "head_dim"), cfg, compute,
+                         use_bias=cfg.bias, name="c_attn")(x)
             return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
-        q = Linear((cfg.n_head, cfg.head_dim), cfg, compute, use_bias=cfg.bias, name="q_proj")(x)
-        kv = Linear((2, cfg.n_kv_head, cfg.head_dim), cfg, compute, use_bias=cfg.bias, name="kv_proj")(x)
+        q = Linear((cfg.n_head, cfg.head_dim), ("embed", "heads", "head_dim"), cfg, compute, use_bias=cfg.bias,
+                   name="q_proj")(x)
+        kv = Linear((2, cfg.n_kv_head, cfg.head_dim), ("embed", "kv", "kv_heads", "head_dim"), cfg, compute,
+                    use_bias=cfg.bias, name="kv_proj")(x)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
+
+    def kernel(self, where: Where, deterministic: bool) -> str:
+        """compute.kernel, or for 'auto' the platform's kernel that does what this call asks
+        (attention dropout when training with it; segments for packed rows)."""
+        return self.compute.on(jax.default_backend(), self.cfg, training=not deterministic,
+                               packed=where.q_segments is not None).kernel
 
     @nn.compact
     def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True):
@@ -188,7 +212,8 @@ class CausalSelfAttention(nn.Module):
         scheme = SCHEMES[cfg.positions]
         q, k, v = self.project(x)
         if cfg.qk_norm:
-            q, k = RMSNorm(cfg, self.compute, name="q_norm")(q), RMSNorm(cfg, self.compute, name="k_norm")(k)
+            q = RMSNorm(cfg, self.compute, axis="head_dim", name="q_norm")(q)
+            k = RMSNorm(cfg, self.compute, axis="head_dim", name="k_norm")(k)
         q, k = scheme.rotate(cfg, q, k, where.q_positions)
 
         def on_weights(weights, whole: bool):
@@ -197,10 +222,10 @@ class CausalSelfAttention(nn.Module):
             return Dropout(cfg.dropout)(weights, deterministic)
 
         context, layer_cache = FORMS[cfg.attention].attend(
-            cfg, KERNELS[self.compute.on(jax.default_backend()).kernel], q, k, v, where, layer_cache,
+            cfg, KERNELS[self.kernel(where, deterministic)], q, k, v, where, layer_cache,
             lambda w: scheme.bias(cfg, w), on_weights)
-        out = Linear((cfg.d_model,), cfg, self.compute, n_in=2, use_bias=cfg.bias, residual=True,
-                     zero_init=cfg.zero_init_out, name="c_proj")
+        out = Linear((cfg.d_model,), ("heads", "head_dim", "embed"), cfg, self.compute, n_in=2, use_bias=cfg.bias,
+                     residual=True, zero_init=cfg.zero_init_out, name="c_proj")
         return out(context), layer_cache
 
 
@@ -219,11 +244,13 @@ class MLP(nn.Module):
         cfg, compute = self.cfg, self.compute
         act, drop = ops.ACTIVATIONS[cfg.activation], Dropout(cfg.ffn_dropout)
         width = cfg.d_ff * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
-        h = drop(act(Linear((width,), cfg, compute, use_bias=cfg.bias, name="c_fc")(x)), deterministic)
+        h = drop(act(Linear((width,), ("embed", "mlp"), cfg, compute, use_bias=cfg.bias, name="c_fc")(x)),
+                 deterministic)
         for i in range(2, cfg.ffn_layers + 1):
-            h = drop(act(Linear((cfg.d_ff,), cfg, compute, use_bias=cfg.bias, name=f"c_fc_{i}")(h)), deterministic)
-        return Linear((cfg.d_model,), cfg, compute, use_bias=cfg.bias, residual=True, zero_init=cfg.zero_init_out,
-                      name="c_proj")(h)
+            h = drop(act(Linear((cfg.d_ff,), ("mlp_in", "mlp"), cfg, compute, use_bias=cfg.bias, name=f"c_fc_{i}")(h)),
+                     deterministic)
+        return Linear((cfg.d_model,), ("mlp", "embed"), cfg, compute, use_bias=cfg.bias, residual=True,
+                      zero_init=cfg.zero_init_out, name="c_proj")(h)
 
 
 class Block(nn.Module):
@@ -287,6 +314,13 @@ class GPT(nn.Module):
     cfg: GPTConfig
     compute: ComputeConfig = ComputeConfig()
 
+    def init(self, rngs, *args, **kwargs):
+        """Flax's init, with every parameter a plain array. Each was made with its declaration
+        (jaxgpt.layout.declare), which param_layout reads; one made without is refused here."""
+        variables = super().init(rngs, *args, **kwargs)
+        layout.check(variables["params"])
+        return nn.meta.unbox(variables)
+
     @nn.compact
     def __call__(self, tokens, cache=None, *, positions=None, segments=None, deterministic: bool = True):
         cfg, compute = self.cfg, self.compute
@@ -296,9 +330,15 @@ class GPT(nn.Module):
         if compute.weights == "int8":
             wte = Int8Embed(cfg.vocab_size, cfg.d_model, dtypes[0], name="wte")
         else:
-            wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtypes[0], param_dtype=dtypes[1],
-                           name="wte")
-        x = rows_split(SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, init, dtypes))
+            wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=layout.declare(init, ("vocab", "embed"),
+                                                                                      group="embed"),
+                           dtype=dtypes[0], param_dtype=dtypes[1], name="wte")
+
+        def position_table(rows: int) -> nn.Embed:
+            table = layout.declare(init, ("positions", "embed"), group="embed")
+            return nn.Embed(rows, cfg.d_model, embedding_init=table, dtype=dtypes[0], param_dtype=dtypes[1], name="wpe")
+
+        x = rows_split(SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, position_table))
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
         x, new_layers = self.blocks(x, where, cache, positions, deterministic)
@@ -308,10 +348,11 @@ class GPT(nn.Module):
             logits = (wte.attend(x) if compute.weights == "int8"
                       else ops.linear(x.astype(dtypes[0]), wte.embedding.T.astype(dtypes[0])))
         else:
-            logits = Linear((cfg.vocab_size,), cfg, compute, use_bias=False, zero_init=cfg.zero_init_out,
-                            name="lm_head")(x)
+            logits = Linear((cfg.vocab_size,), ("embed", "vocab"), cfg, compute, group="head", use_bias=False,
+                            zero_init=cfg.zero_init_out, name="lm_head")(x)
         if cfg.logits_bias:  # b_U
-            logits = logits + self.param("logits_bias", nn.initializers.zeros, (cfg.vocab_size,), dtypes[1])
+            logits = logits + self.param("logits_bias", layout.declare(nn.initializers.zeros, ("vocab",)),
+                                         (cfg.vocab_size,), dtypes[1])
         logits = logits.astype(jnp.float32)
         if cfg.logit_softcap is not None:  # c·tanh(z/c)
             logits = ops.softcap(logits, cfg.logit_softcap)
@@ -332,7 +373,8 @@ class GPT(nn.Module):
             scanned = None if cache is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layer_caches)
             blocks = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                              split_rngs={"params": True, "dropout": True},
-                             in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layer)
+                             in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layer,
+                             metadata_params={nn.PARTITION_NAME: layout.LAYERS})
             x, scanned = blocks(cfg, compute, name="h")(x, where, scanned, deterministic)
             return x, [None if cache is None else jax.tree.map(lambda a, i=i: a[i], scanned)
                        for i in range(cfg.n_layer)]
@@ -393,6 +435,17 @@ def layers_as(tree, scan_layers: bool):
 # --- sizes ----------------------------------------------------------------------------------
 
 
+def param_layout(model: GPT | GPTConfig):
+    """Every parameter's declaration (jaxgpt.layout.Declared around its ShapeDtypeStruct), in
+    the params' tree: what shardings, groups, Muon's axes and the quantisation derive from.
+    Nothing is computed (jax.eval_shape of Flax's init); refused for an undeclared parameter."""
+    model = GPT(model) if isinstance(model, GPTConfig) else model
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    declared = jax.eval_shape(lambda t: nn.Module.init(model, jax.random.key(0), t)["params"], tokens)
+    layout.check(declared)
+    return declared
+
+
 def param_shapes(cfg: GPTConfig) -> dict:
     """The params' shapes and dtypes (jax.eval_shape of the init: nothing is computed)."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
@@ -407,11 +460,12 @@ def param_count(cfg: GPTConfig) -> int:
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the weight matmuls (forward 2N, backward 4N) plus
     12·n_layer·n_head·head_dim·seq_len for QKᵀ and AV. N counts parameters used in matmuls: all but
-    the position table and, when untied, the input embedding (lookups cost no FLOPs)."""
-    n = param_count(cfg)
-    if cfg.positions == "learned":
-        n -= cfg.block_size * cfg.d_model
-    if not cfg.tie_embeddings:
-        n -= cfg.vocab_size * cfg.d_model
+    the lookup tables (their declared group: lookups cost no FLOPs), the token table counted back
+    when no unembedding of its own is declared (tied: logits = x Eᵀ)."""
+    declared = jax.tree.leaves(param_layout(cfg), is_leaf=layout.is_declared)
+    sizes = [(leaf.group, leaf.names, math.prod(leaf.value.shape)) for leaf in declared]
+    n = sum(size for group, _, size in sizes if group != "embed")
+    if not any(group == "head" for group, _, _ in sizes):
+        n += sum(size for group, names, size in sizes if group == "embed" and "vocab" in names)
     span = seq_len if cfg.window is None else min(seq_len, cfg.window)  # the keys a query reads, at most
     return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * span

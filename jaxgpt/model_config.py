@@ -79,7 +79,7 @@ class GPTConfig:
     window: int | None = None  # attention="local": a query sees itself and the window−1 positions before it
     qk_norm: bool = False  # RMSNorm of each head's query and key (learned gains of size D), before the positions
     logit_softcap: float | None = None  # c: logits c·tanh(z/c), never beyond ±c; None: plain logits
-    zero_init_out: bool = False  # the projections into the residual stream (c_proj) and lm_head start at zero
+    zero_init_out: bool = False  # the projections into the residual stream and the untied unembedding start at zero
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""

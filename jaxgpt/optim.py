@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from jaxgpt import layout
+
 TrainConfig = Any  # jaxgpt.config's train section, which checks its names against OPTIMIZERS and SCHEDULES here
 
 # --- learning-rate schedules --------------------------------------------------------------
@@ -63,40 +65,36 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
 
 
 # --- parameter groups ---------------------------------------------------------------------
+# Each parameter's group, decay and Muon axes are its declaration's (jaxgpt.layout): `declared`
+# is the params' tree of declarations (jaxgpt.model.param_layout), in the params' structure.
 
 
-def param_group(path) -> str:
-    """The group of the leaf at `path` in the params pytree: 'embed' for embedding tables
-    (leaves named `embedding`: wte, wpe, …), 'head' for the untied unembedding (under
-    `lm_head`), 'matrix' for the other weight matrices (`kernel`: the blocks'), 'scalar' for
-    everything else (biases, norm gains, logits_bias)."""
-    names = [str(getattr(key, "key", key)) for key in path]
-    if names[-1] == "embedding":
-        return "embed"
-    if "lm_head" in names:
-        return "head"
-    return "matrix" if names[-1] == "kernel" else "scalar"
+def per_param(fn, declared) -> Callable:
+    """params ↦ the tree of fn(declaration) for each parameter, in the structure of the tree it
+    is given (optax.partition hands its transformations their share of the params, the others
+    masked), found by each parameter's path."""
+    found = {jax.tree_util.keystr(path): fn(leaf)
+             for path, leaf in jax.tree_util.tree_leaves_with_path(declared, is_leaf=layout.is_declared)}
+
+    def at(path, _):
+        key = jax.tree_util.keystr(path)
+        if key not in found:
+            raise ValueError(f"the optimizer was made for other parameters (none at {key}): make it for the layout of "
+                             "the params it updates (make_optimizer(train, param_layout(model)))")
+        return found[key]
+
+    def of(params):
+        return jax.tree_util.tree_map_with_path(at, params)
+
+    return of
 
 
-def param_groups(params):
-    """The pytree of param_group for every leaf of `params`."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: param_group(path), params)
-
-
-def weight_decay_mask(params, decay_embeddings: bool = True):
-    """True for the leaves AdamW decays: weight matrices (`kernel`: the matrix and head
-    groups), and embedding tables when `decay_embeddings`; never biases or norm scales."""
-    def decays(path, _):
-        name = path[-1].key
-        return name == "kernel" or (decay_embeddings and name == "embedding")
-
-    return jax.tree_util.tree_map_with_path(decays, params)
-
-
-def scale_by_group_learning_rate(train: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def scale_by_group_learning_rate(train: TrainConfig, schedule: optax.Schedule, declared) -> \
+        optax.GradientTransformation:
     """u ← −lr_g(t)·u for each leaf, lr_g(t) = lr(t)·lr_g/lr its group's rate. Its state is
     optax.scale_by_learning_rate's (the step count), whatever the groups' rates."""
-    rates = {group: train.group_lr(group) for group in ("matrix", "embed", "head", "scalar")}
+    rates = {group: train.group_lr(group) for group in layout.GROUPS}
+    groups = per_param(lambda leaf: leaf.group, declared)
     share = {group: 1.0 if rate == train.lr else rate / train.lr for group, rate in rates.items()}  # lr may be 0
 
     def init(params):
@@ -106,8 +104,8 @@ def scale_by_group_learning_rate(train: TrainConfig, schedule: optax.Schedule) -
     def update(updates, state, params=None):
         del params
         step_size = -schedule(state.count)
-        scaled = jax.tree.map(lambda u, group: jnp.asarray(step_size * share[group], u.dtype) * u,
-                              updates, param_groups(updates))
+        scaled = jax.tree.map(lambda u, group: jnp.asarray(step_size * share[group], u.dtype) * u, updates,
+                              groups(updates))
         return scaled, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init, update)
@@ -116,66 +114,45 @@ def scale_by_group_learning_rate(train: TrainConfig, schedule: optax.Schedule) -
 # --- optimizers ---------------------------------------------------------------------------
 
 
-def adamw(train: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """AdamW with decoupled weight decay on weight_decay_mask, each group at its own rate: with
-    no group rate set it is optax.adamw(schedule, …) exactly, its state included."""
+def adamw(train: TrainConfig, schedule: optax.Schedule, declared) -> optax.GradientTransformation:
+    """AdamW with decoupled weight decay on the declared decay mask, each group at its own rate:
+    with no group rate set it is optax.adamw(schedule, …) exactly, its state included."""
     return optax.chain(
         optax.scale_by_adam(b1=train.b1, b2=train.b2, eps=train.eps),
-        optax.add_decayed_weights(train.weight_decay, lambda params: weight_decay_mask(params,
-                                                                                       train.decay_embeddings)),
-        scale_by_group_learning_rate(train, schedule),
+        optax.add_decayed_weights(train.weight_decay, per_param(
+            lambda leaf: layout.decays(leaf, train.decay_embeddings), declared)),
+        scale_by_group_learning_rate(train, schedule, declared),
     )
 
 
-def muon_dimension_numbers(params):
-    """For each leaf, the axes Muon orthogonalises over: MuonDimensionNumbers(reduction axes,
-    output axes) for the matrix group, None for the rest (they stay on AdamW). The axes left
-    out of both are batch axes: each index along them is a matrix of its own.
-
-    A Linear kernel is (*inputs, *outputs) (jaxgpt.model.Linear):
-      attn/c_attn/kernel (d, 3, H, D)     reduce d, output (H, D); the 3 (Q, K, V) a batch axis
-      attn/q_proj/kernel (d, H, D)        reduce d, output (H, D)
-      attn/kv_proj/kernel (d, 2, H_kv, D) reduce d, output (H_kv, D); the 2 (K, V) a batch axis
-      attn/c_proj/kernel (H, D, d)        reduce (H, D), output d: W_O
-      mlp/c_fc…/kernel (d, w), (w, w)     reduce the first axis, output the rest
-      mlp/c_proj/kernel (w, d)            reduce w, output d
-    Under compute.scan_layers the blocks' leaves (under 'h') have a leading layer axis: a batch
-    axis, so each layer's matrix is orthogonalised alone."""
-    def numbers(path, leaf):
-        if param_group(path) != "matrix":
-            return None
-        names = [str(getattr(key, "key", key)) for key in path]
-        layer = 1 if "h" in names else 0  # scan_layers: the stacked layer axis leads
-        ndim, module = leaf.ndim - layer, names[-2]
-        if module in ("c_attn", "kv_proj"):  # (d, k, heads, D): k projections side by side
-            reduce, output = (0,), (2, 3)
-        elif module == "c_proj":  # into the residual stream: (…inputs, d)
-            reduce, output = tuple(range(ndim - 1)), (ndim - 1,)
-        else:
-            reduce, output = (0,), tuple(range(1, ndim))
-        return MuonDimensionNumbers(tuple(a + layer for a in reduce), tuple(a + layer for a in output))
-
-    return jax.tree_util.tree_map_with_path(numbers, params)
+def muon_dimension_numbers(declared) -> Callable:
+    """params ↦ for each parameter, the axes Muon orthogonalises over: MuonDimensionNumbers(reduction
+    axes, output axes) for the matrix group, None for the rest (they stay on AdamW). Both come
+    from the declaration (layout.matrix_axes): a matrix's input axes are reduced, its output
+    axes kept; axes left out of both are batch axes (Q, K and V side by side; the layers under
+    compute.scan_layers), each index along them a matrix of its own."""
+    return per_param(lambda leaf: MuonDimensionNumbers(*layout.matrix_axes(leaf)) if leaf.group == "matrix" else None,
+                     declared)
 
 
-def muon(train: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def muon(train: TrainConfig, schedule: optax.Schedule, declared) -> optax.GradientTransformation:
     """The matrix group through optax.contrib.muon (momentum β, Nesterov, muon_ns_steps
     Newton–Schulz steps, optax's shape scaling, weight decay λ, rate lr(t)); the embed, head and
     scalar groups through `adamw` at their own rates."""
     matrices = optax.contrib.muon(
         schedule, ns_steps=train.muon_ns_steps, beta=train.muon_momentum, nesterov=train.muon_nesterov,
-        weight_decay=train.weight_decay, muon_weight_dimension_numbers=muon_dimension_numbers)
-    labels = lambda params: jax.tree.map(lambda group: "muon" if group == "matrix" else "adamw",  # noqa: E731
-                                         param_groups(params))
-    return optax.partition({"muon": matrices, "adamw": adamw(train, schedule)}, labels)
+        weight_decay=train.weight_decay, muon_weight_dimension_numbers=muon_dimension_numbers(declared))
+    labels = per_param(lambda leaf: "muon" if leaf.group == "matrix" else "adamw", declared)
+    return optax.partition({"muon": matrices, "adamw": adamw(train, schedule, declared)}, labels)
 
 
-OPTIMIZERS: dict[str, Callable[[TrainConfig, optax.Schedule], optax.GradientTransformation]] = {
+OPTIMIZERS: dict[str, Callable[[TrainConfig, optax.Schedule, Any], optax.GradientTransformation]] = {
     "adamw": adamw, "muon": muon}
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm(clip), then train.optimizer on train.schedule."""
+def make_optimizer(train: TrainConfig, declared) -> optax.GradientTransformation:
+    """clip_by_global_norm(clip), then train.optimizer on train.schedule, for the parameters
+    `declared` (jaxgpt.model.param_layout of the model it trains)."""
     steps = [optax.clip_by_global_norm(train.clip)] if train.clip else []
-    steps.append(OPTIMIZERS[train.optimizer](train, learning_rate_schedule(train)))
+    steps.append(OPTIMIZERS[train.optimizer](train, learning_rate_schedule(train), declared))
     return optax.chain(*steps)

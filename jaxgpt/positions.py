@@ -1,7 +1,7 @@
 """Positional schemes (config.model.positions), one interface: where a scheme enters the model.
 
-    embed(cfg, x, positions, init, dtypes)  X + P: the learned table (a parameter 'wpe',
-                                            made in the calling module) or the sinusoid
+    embed(cfg, x, positions, table)         X + P: the learned table (table(rows): an embedding
+                                            module the model makes) or the sinusoid
     rotate(cfg, q, k, positions)            RoPE: q and k rotated by their positions
     bias(cfg, where)                        ALiBi: the bias on the attention scores
     ends_at_block_size                      positions past block_size do not exist
@@ -12,8 +12,6 @@ A scheme overrides only the hooks it uses; the others are the identity (or no bi
 """
 
 from __future__ import annotations
-
-import flax.linen as nn
 
 from jaxgpt import ops
 
@@ -27,7 +25,7 @@ class Scheme:
     def check(self, cfg) -> None:
         pass
 
-    def embed(self, cfg, x, positions, init, dtypes):
+    def embed(self, cfg, x, positions, table):
         return x
 
     def rotate(self, cfg, q, k, positions):
@@ -42,11 +40,8 @@ class Learned(Scheme):
 
     ends_at_block_size = True
 
-    def embed(self, cfg, x, positions, init, dtypes):
-        compute_dtype, param_dtype = dtypes
-        table = nn.Embed(cfg.block_size, cfg.d_model, embedding_init=init, dtype=compute_dtype,
-                         param_dtype=param_dtype, name="wpe")
-        return x + table(positions)
+    def embed(self, cfg, x, positions, table):
+        return x + table(cfg.block_size)(positions)
 
 
 class Sinusoidal(Scheme):
@@ -58,7 +53,7 @@ class Sinusoidal(Scheme):
         if cfg.d_model % 2:
             raise ValueError(f"GPTConfig.positions='sinusoidal' needs an even d_model, got d_model={cfg.d_model}")
 
-    def embed(self, cfg, x, positions, init, dtypes):
+    def embed(self, cfg, x, positions, table):
         return x + ops.sinusoidal_positions(cfg.block_size, cfg.d_model)[positions].astype(x.dtype)
 
 

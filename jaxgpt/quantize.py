@@ -20,10 +20,8 @@ import jax.numpy as jnp
 
 from jaxgpt import ops
 from jaxgpt.config import ComputeConfig, GPTConfig
-from jaxgpt.model import GPT, layers_as, unstack_layers
+from jaxgpt.model import GPT, layers_as, param_layout, unstack_layers
 
-# Where a float matrix keeps its inputs (Flax's layouts): Dense kernels first, Embed tables last.
-INPUTS_FIRST = {"kernel": True, "embedding": False}
 Q, SCALE = "_q", "_scale"
 
 
@@ -46,7 +44,8 @@ def int8_shapes(cfg: GPTConfig, compute: ComputeConfig) -> dict:
 def quantize_params(params, cfg: GPTConfig, compute: ComputeConfig) -> dict:
     """Per-layer float params → the per-layer int8 params of GPT(cfg, compute) (weights='int8')."""
     wanted = int8_shapes(cfg, compute)
-    quantized = _quantize_node(params, wanted, "params")
+    declared = param_layout(GPT(cfg, compute.replace(weights="float", scan_layers=False)))
+    quantized = _quantize_node(params, wanted, declared, "params")
     got = jax.tree.map(lambda x: (x.shape, x.dtype), quantized)
     if got != jax.tree.map(lambda x: (x.shape, x.dtype), wanted):
         raise ValueError("the params do not have the shapes of the model config's params, so they cannot be quantised "
@@ -54,8 +53,11 @@ def quantize_params(params, cfg: GPTConfig, compute: ComputeConfig) -> dict:
     return quantized
 
 
-def _quantize_node(node, wanted, path: str):
-    """`node` of the float params made like `wanted`, a node of the int8 model's params."""
+def _quantize_node(node, wanted, declared, path: str):
+    """`node` of the float params made like `wanted`, a node of the int8 model's params; which
+    axes of a matrix are its inputs is the float parameter's declaration (`declared`): a weight
+    matrix's leading `inputs`, a lookup table's last axis (its rows are the outputs of the tied
+    unembedding)."""
     if not isinstance(wanted, dict):
         return node.astype(wanted.dtype)
     if not isinstance(node, dict):
@@ -63,10 +65,11 @@ def _quantize_node(node, wanted, path: str):
     out = {}
     for name, value in node.items():
         if name + Q in wanted:
-            n_out = wanted[name + SCALE].ndim
-            out[name + Q], out[name + SCALE] = quantize_matrix(value, n_out, INPUTS_FIRST[name])
+            table = declared[name].group == "embed"
+            n_out = value.ndim - (1 if table else declared[name].inputs)
+            out[name + Q], out[name + SCALE] = quantize_matrix(value, n_out, not table)
         elif name in wanted:
-            out[name] = _quantize_node(value, wanted[name], f"{path}/{name}")
+            out[name] = _quantize_node(value, wanted[name], declared[name], f"{path}/{name}")
     return out
 
 
@@ -82,8 +85,7 @@ def quantize_matrix(w, n_out: int, inputs_first: bool):
 
 def check_params(params, compute: ComputeConfig) -> None:
     """ValueError (one line) when params are float and compute reads int8 weights, or the reverse."""
-    wte = params.get("wte", {}) if hasattr(params, "get") else {}
-    if ("embedding" + Q in wte) != (compute.weights == "int8"):
-        held = "int8" if "embedding" + Q in wte else "float"
+    held = "int8" if any(leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(params)) else "float"
+    if (held == "int8") != (compute.weights == "int8"):
         raise ValueError(f"the params hold {held} weights but compute.weights={compute.weights!r}: make them with "
                          "load_run(..., compute=compute) or jaxgpt.quantize.params_for(params, cfg, compute)")

@@ -36,7 +36,7 @@ from jaxgpt.config import ComputeConfig, GPTConfig, SampleConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError, one_line
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.lock import LockHeld, RunLock
-from jaxgpt.model import GPT, flops_per_token, layers_as
+from jaxgpt.model import GPT, flops_per_token, layers_as, param_layout
 from jaxgpt.model_config import check_kernel
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.preflight import check_memory, check_sections, check_unknown, start_from
@@ -198,7 +198,7 @@ def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None
     abstract = abstract_state(run.gpt, optimizer, run.mesh) if abstract is None else abstract
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     if run.resuming:  # restored onto the shapes and shardings alone: nothing is initialised first
-        state, step = _restore(run, optimizer, abstract)
+        state, step = _restore(run, abstract)
         return state, shardings, step
     state = initialise_into(run.gpt, optimizer, key, shardings)
     if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
@@ -207,16 +207,16 @@ def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None
     return state, shardings, 0
 
 
-def _restore(run: Run, optimizer, abstract: TrainState) -> tuple[TrainState, int]:
-    """The newest intact checkpoint, onto `abstract`'s shapes, dtypes and shardings. One
-    written with the blocks in the other layout (compute.scan_layers) is restored in its
-    own, then converted (model.layers_as) and placed."""
+def _restore(run: Run, abstract: TrainState) -> tuple[TrainState, int]:
+    """The newest intact checkpoint, onto `abstract`'s shapes, dtypes and shardings; one written in the other
+    layer layout (compute.scan_layers) is restored in its own, then converted (model.layers_as) and placed."""
     saved = run.saved_compute
     if saved is None or saved.scan_layers == run.compute.scan_layers:
         restored, step = run.checkpoints.restore(abstract.to_dict())
         return TrainState.from_dict(restored), step
     written = GPT(run.model, run.compute.replace(scan_layers=saved.scan_layers))
-    restored, step = run.checkpoints.restore(abstract_state(written, optimizer, run.mesh).to_dict())
+    written_state = abstract_state(written, make_optimizer(run.train, param_layout(written)), run.mesh)
+    restored, step = run.checkpoints.restore(written_state.to_dict())
     shardings = jax.tree.map(lambda a: a.sharding, abstract.to_dict())
     return TrainState.from_dict(jax.device_put(layers_as(restored, run.compute.scan_layers), shardings)), step
 
@@ -341,7 +341,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
     step's state, which the next step consumes), and never save before every step's loss so
     far was found finite."""
     tc = run.train
-    optimizer = make_optimizer(tc)
+    optimizer = make_optimizer(tc, param_layout(run.gpt))
     state, start_step, train_step = _state_and_step(run, optimizer)
     tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(

@@ -1,4 +1,5 @@
-"""Devices and hosts: the mesh, where each parameter lives on it, and multi-host start.
+"""Devices and hosts: the mesh, the batch's layout on it, and multi-host start (where each
+parameter lives is its own declaration's: jaxgpt.layout).
 
 The mesh has three axes: `data` (batch rows, parameters replicated), `fsdp` (batch rows,
 and one large dimension of each matrix sharded, gathered when used) and `tensor` (attention
@@ -10,35 +11,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxgpt.axes import AXES, BATCH_AXES
-
-# (regex on the '/'-joined path of a leaf, spec of its dimensions). Optimizer states mirror
-# the params tree, so the same rules place them: the path ends with the parameter's path.
-PARTITION_RULES = (
-    (r"wte/embedding$", P("tensor", "fsdp")),  # (V, d)
-    (r"wpe/embedding$", P(None, "fsdp")),  # (N, d)
-    (r"attn/c_attn/kernel$", P("fsdp", None, "tensor", None)),  # (d, 3, H, D)
-    (r"attn/c_attn/bias$", P(None, "tensor", None)),  # (3, H, D)
-    (r"attn/q_proj/kernel$", P("fsdp", "tensor", None)),  # (d, H, D), grouped-query attention
-    (r"attn/q_proj/bias$", P("tensor", None)),  # (H, D)
-    (r"attn/kv_proj/kernel$", P("fsdp", None, "tensor", None)),  # (d, 2, H_kv, D)
-    (r"attn/kv_proj/bias$", P(None, "tensor", None)),  # (2, H_kv, D)
-    (r"attn/c_proj/kernel$", P("tensor", None, "fsdp")),  # (H, D, d)
-    (r"mlp/c_fc/kernel$", P("fsdp", "tensor")),  # (d, F)
-    (r"mlp/c_fc/bias$", P("tensor")),  # (F,)
-    (r"mlp/c_proj/kernel$", P("tensor", "fsdp")),  # (F, d)
-    (r"lm_head/kernel$", P("fsdp", "tensor")),  # (d, V)
-    (r"logits_bias$", P("tensor")),  # (V,)
-)
-# Leaves whose 'tensor' dimension must divide evenly (no silent replication): the key/value
-# heads of grouped-query attention, which the query heads of each device read.
-STRICT_TENSOR = r"attn/kv_proj/(kernel|bias)$"
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
@@ -75,50 +53,6 @@ def _does_not_fit(sizes, known: int, n: int, platform: str) -> str:
         return (f"{what}; on a CPU, --config.mesh.cpu_devices={known} makes {known} devices (this machine has "
                 f"{os.cpu_count()} cores), or {choose}")
     return f"{what}: {choose}"
-
-
-def _path_string(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-def fit_spec(spec: P, shape, mesh: Mesh) -> P:
-    """Drop the mesh axes that do not divide their dimension (e.g. a vocabulary of 65 over 2)."""
-    dims = []
-    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
-        size = 1 if axis is None else math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
-        dims.append(axis if size > 1 and dim % size == 0 else None)
-    return P(*dims)
-
-
-def spec_for(path: str, shape) -> P:
-    """The rule's spec of a leaf; the blocks of a scan_layers model (under 'h/') have a leading
-    layer axis, which stays whole."""
-    stacked = re.search(r"(^|/)h/", path) is not None
-    for pattern, spec in PARTITION_RULES:
-        if re.search(pattern, path) and len(spec) == len(shape) - stacked:
-            return P(None, *spec) if stacked else spec
-    return P()
-
-
-def leaf_spec(path: str, shape, mesh) -> P:
-    """The spec of the leaf at `path` on `mesh`: spec_for fitted to the mesh by fit_spec;
-    ValueError when the key/value heads of grouped-query attention do not split over 'tensor'."""
-    spec = spec_for(path, shape)
-    tensor = mesh.shape["tensor"]
-    if re.search(STRICT_TENSOR, path) and tensor > 1 and "tensor" in tuple(spec):
-        heads = shape[tuple(spec).index("tensor")]
-        if heads % tensor:
-            raise ValueError(f"n_kv_head={heads} is not divisible by the mesh's tensor axis ({tensor}) at {path}: "
-                             f"choose n_kv_head a multiple of mesh.tensor, or a mesh.tensor that divides it")
-    return fit_spec(spec, shape, mesh)
-
-
-def tree_shardings(tree, mesh: Mesh):
-    """A NamedSharding for every leaf of a (params, optimizer state, …) pytree of shapes."""
-    def sharding(path, leaf):
-        return NamedSharding(mesh, leaf_spec(_path_string(path), getattr(leaf, "shape", ()), mesh))
-
-    return jax.tree_util.tree_map_with_path(sharding, tree)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgpt import ops, sharding
+from jaxgpt import layout, ops
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT
+from jaxgpt.model import GPT, param_layout
 
 
 @flax.struct.dataclass
@@ -157,10 +157,10 @@ INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
 
 def abstract_state(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, mesh) -> TrainState:
     """The train state's shapes and dtypes (from jax.eval_shape: nothing allocated) with the
-    shardings the partition rules give its leaves on `mesh`."""
+    shardings its leaves take on `mesh` by the params' declarations (jaxgpt.layout)."""
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, 0))
-    return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
-                        shapes, sharding.tree_shardings(shapes, mesh))
+    where = layout.tree_shardings(shapes, param_layout(as_model(model)), mesh)
+    return jax.tree.map(lambda leaf, at: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=at), shapes, where)
 
 
 def sharded_init(model: GPT | GPTConfig, optimizer, key, mesh):

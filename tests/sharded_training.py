@@ -14,6 +14,7 @@ import numpy as np  # noqa: E402
 
 from jaxgpt import GPTConfig, sharding  # noqa: E402
 from jaxgpt.config import TrainConfig  # noqa: E402
+from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.training import init_state, make_train_step, sharded_init  # noqa: E402
 
@@ -31,7 +32,7 @@ def batches():
 
 
 def run(mesh_shape, train=TRAIN, cfg=CFG):
-    optimizer, schedule = make_optimizer(train), learning_rate_schedule(train)
+    optimizer, schedule = make_optimizer(train, param_layout(cfg)), learning_rate_schedule(train)
     step_fn = make_train_step(cfg, optimizer, schedule, grad_accum=K)
     key = jax.random.key(0)
     if mesh_shape is None:

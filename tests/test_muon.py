@@ -14,6 +14,7 @@ from test_run import assert_trees_close, corpus, final_params, tiny_config  # no
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig
 from jaxgpt.config import TrainConfig
+from jaxgpt.model import param_layout
 from jaxgpt.optim import make_optimizer, muon_dimension_numbers
 
 TESTS = Path(__file__).resolve().parent
@@ -63,14 +64,14 @@ def test_newton_schulz_pushes_singular_values_into_the_band_around_u_v_transpose
     assert cosine >= 2 * np.sqrt(low * high) / (low + high) - 1e-3 and cosine > 0.9, (cosine, low, high)
 
 
-def shapes_of(cfg: GPTConfig, scan_layers: bool = False):
-    model = GPT(cfg, ComputeConfig(scan_layers=scan_layers))
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+def model_of(cfg: GPTConfig, scan_layers: bool = False) -> GPT:
+    return GPT(cfg, ComputeConfig(scan_layers=scan_layers))
 
 
-def numbers_by_path(params) -> dict[str, tuple | None]:
-    """path → (reduction axes, output axes) for Muon's leaves, None for AdamW's."""
-    found = muon_dimension_numbers(params)
+def numbers_by_path(model: GPT) -> dict[str, tuple | None]:
+    """path → (reduction axes, output axes) for Muon's leaves of the model's params, None for AdamW's."""
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    found = muon_dimension_numbers(param_layout(model))(params)
     flat = jax.tree_util.tree_flatten_with_path(found, is_leaf=lambda x: x is None or
                                                 isinstance(x, optax.contrib.MuonDimensionNumbers))[0]
     return {"/".join(k.key for k in path): None if n is None else (tuple(n.reduction_axis), tuple(n.output_axis))
@@ -85,7 +86,7 @@ def test_muon_takes_the_blocks_matrices_with_their_reduction_and_output_axes():
     """Loop layout, untied, two layers: Muon gets exactly the blocks' four kernels; c_attn
     (d, 3, H, D) reduces d and outputs (H, D), its 3 (Q, K, V) a batch axis; W_O (H, D, d)
     reduces (H, D). Embeddings, lm_head, biases and gains stay on AdamW."""
-    found = numbers_by_path(shapes_of(GPTConfig(**TINY)))
+    found = numbers_by_path(model_of(GPTConfig(**TINY)))
     expected = {}
     for i in range(2):
         expected |= {f"h_{i}/attn/c_attn/kernel": ((0,), (2, 3)), f"h_{i}/attn/c_proj/kernel": ((0, 1), (2,)),
@@ -96,7 +97,7 @@ def test_muon_takes_the_blocks_matrices_with_their_reduction_and_output_axes():
 
 
 def test_under_scan_layers_the_layer_axis_is_a_batch_axis():
-    found = numbers_by_path(shapes_of(GPTConfig(**TINY, ffn_layers=2), scan_layers=True))
+    found = numbers_by_path(model_of(GPTConfig(**TINY, ffn_layers=2), scan_layers=True))
     assert {path: n for path, n in found.items() if n is not None} == {
         "h/attn/c_attn/kernel": ((1,), (3, 4)), "h/attn/c_proj/kernel": ((1, 2), (3,)),
         "h/mlp/c_fc/kernel": ((1,), (2,)), "h/mlp/c_fc_2/kernel": ((1,), (2,)), "h/mlp/c_proj/kernel": ((1,), (2,))}
@@ -104,7 +105,7 @@ def test_under_scan_layers_the_layer_axis_is_a_batch_axis():
 
 
 def test_grouped_query_projections_keep_k_and_v_apart():
-    found = numbers_by_path(shapes_of(GPTConfig(**{**TINY, "n_head": 4, "n_kv_head": 2})))
+    found = numbers_by_path(model_of(GPTConfig(**{**TINY, "n_head": 4, "n_kv_head": 2})))
     assert found["h_0/attn/q_proj/kernel"] == ((0,), (1, 2))  # (d, H, D)
     assert found["h_0/attn/kv_proj/kernel"] == ((0,), (2, 3))  # (d, 2, H_kv, D): K and V each alone
     assert found["h_0/attn/q_proj/bias"] is None and found["h_0/attn/kv_proj/bias"] is None
@@ -120,7 +121,8 @@ def test_each_layer_and_each_of_q_k_v_is_orthogonalised_on_its_own():
     grads = {"h": {"attn": {"c_attn": {"kernel": kernel}}}}  # the leaf of a scan_layers model, at its path
     zeros = jax.tree.map(jnp.zeros_like, grads)
     train = TrainConfig(optimizer="muon", lr=1.0, warmup_steps=0, weight_decay=0.0, clip=0.0, steps=10)
-    optimizer = make_optimizer(train)
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=layers, n_head=heads, d_model=d, head_dim=head_dim)
+    optimizer = make_optimizer(train, param_layout(model_of(cfg, scan_layers=True)))
     updates, _ = jax.jit(lambda g, p: optimizer.update(g, optimizer.init(p), p))(grads, zeros)
     g = np.asarray(grads["h"]["attn"]["c_attn"]["kernel"], np.float64)  # (L, d, 3, H, D)
     u = np.asarray(updates["h"]["attn"]["c_attn"]["kernel"], np.float64)
@@ -140,6 +142,7 @@ import jax, numpy as np
 import sharded_training as st
 from jaxgpt import sharding
 from jaxgpt.checkpoint import Checkpoints
+from jaxgpt.model import param_layout
 from jaxgpt.optim import make_optimizer
 from jaxgpt.training import abstract_state
 
@@ -158,7 +161,7 @@ out["sharded_momentum"] = sum(not leaf.sharding.is_fully_replicated for leaf in 
 checkpoints = Checkpoints(sys.argv[1], async_save=False)
 checkpoints.save(3, state.to_dict())
 saved = jax.device_get(state.to_dict())
-optimizer, restored_onto = make_optimizer(train), []
+optimizer, restored_onto = make_optimizer(train, param_layout(cfg)), []
 for shape, devices in (((8, 1, 1), None), ((1, 1, 1), jax.devices()[:1])):
     mesh = sharding.make_mesh(dict(zip(sharding.AXES, shape)), devices)
     abstract = abstract_state(cfg, optimizer, mesh).to_dict()

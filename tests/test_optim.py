@@ -10,9 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgpt import GPT, GPTConfig
+from jaxgpt import GPT, GPTConfig, layout
 from jaxgpt.config import TrainConfig
-from jaxgpt.optim import learning_rate_schedule, make_optimizer, param_group, param_groups, weight_decay_mask
+from jaxgpt.model import param_layout
+from jaxgpt.optim import learning_rate_schedule, make_optimizer
 
 TRAIN = dict(lr=1e-3, min_lr=1e-4, warmup_steps=100, steps=2000, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0)
 
@@ -49,8 +50,7 @@ def test_schedule_decay_steps_must_exceed_warmup():
 @pytest.mark.parametrize("decay_embeddings", [True, False])
 def test_decay_mask_covers_exactly_weight_matrices(decay_embeddings):
     cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, d_model=8, tie_embeddings=False)
-    params = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
-    mask = weight_decay_mask(params, decay_embeddings)
+    mask = layout.decay_mask(param_layout(cfg), decay_embeddings)
     decayed = {"/".join(k.key for k in path) for path, v in jax.tree_util.tree_leaves_with_path(mask) if v}
     matrices = {f"h_{i}/{m}" for i in range(2) for m in
                 ("attn/c_attn/kernel", "attn/c_proj/kernel", "mlp/c_fc/kernel", "mlp/c_proj/kernel")}
@@ -68,7 +68,7 @@ def test_adamw_decays_matrices_and_leaves_biases_alone(optimizer):
     params = jax.jit(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])()
     params = jax.tree.map(lambda p: p + 1.0, params)  # non-zero biases
     train = TrainConfig(**{**TRAIN, "optimizer": optimizer, "warmup_steps": 0, "lr": 0.5, "weight_decay": 0.2})
-    optimizer = make_optimizer(train)
+    optimizer = make_optimizer(train, param_layout(cfg))
     # jitted: one program, not one per operation and leaf
     updates, _ = jax.jit(lambda p: optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p))(params)
     lr0 = 0.5 / 1  # warmup 0: lr/(0+1)
@@ -85,8 +85,9 @@ def test_clipping_scales_gradients_to_the_global_norm_bound(norm, clip):
     gradient ĝ = g·min(1, c/‖g‖) directly (up to a relative error of ‖ĝ‖/ε)."""
     eps = 1e4
     train = TrainConfig(**{**TRAIN, "warmup_steps": 0, "lr": 1.0, "weight_decay": 0.0, "clip": clip, "eps": eps})
-    optimizer = make_optimizer(train)
     params = {"w": jnp.zeros((3,)), "b": jnp.zeros((2,))}
+    declared = jax.tree.map(lambda p: layout.Declared(jax.ShapeDtypeStruct(p.shape, p.dtype), ("norm",)), params)
+    optimizer = make_optimizer(train, declared)
     direction = np.array([3.0, 4.0, 0.0, 1.0, 2.0])
     g = direction / np.linalg.norm(direction) * norm
     grads = {"w": jnp.asarray(g[:3]), "b": jnp.asarray(g[3:])}
@@ -126,32 +127,42 @@ def test_wsd_follows_decay_steps_and_may_cool_down_from_the_warmups_end():
         assert float(schedule(t)) == pytest.approx(expected_wsd(t, warmup=8, end=40, cooldown=32), rel=1e-5), t
 
 
+def tiny_cfg(**changes) -> GPTConfig:
+    """A one-layer untied GPT."""
+    return GPTConfig(**{**dict(vocab_size=11, block_size=8, n_layer=1, n_head=2, d_model=8, tie_embeddings=False),
+                        **changes})
+
+
 @functools.cache
-def tiny_params(init=jax.jit, **changes):
-    """A one-layer untied GPT's params (init=jax.eval_shape: their shapes only)."""
-    cfg = GPTConfig(**{**dict(vocab_size=11, block_size=8, n_layer=1, n_head=2, d_model=8, tie_embeddings=False),
-                       **changes})
-    made = init(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
-    return made if init is jax.eval_shape else made()
+def tiny_layout(**changes):
+    """tiny_cfg's params' declarations (with logits_bias: few_params' leaves are all in it)."""
+    return param_layout(tiny_cfg(**{"logits_bias": True, **changes}))
 
 
 def few_params():
-    """A leaf of each group at its place in a GPT's params (as GROUPS names them)."""
+    """A leaf of each group at its place in a GPT's params (as GROUPS names them): tiny_layout's
+    shapes at those paths."""
     shapes = {"wte": {"embedding": (11, 8)}, "lm_head": {"kernel": (8, 11)}, "logits_bias": (11,),
               "h_0": {"attn": {"c_attn": {"kernel": (8, 3, 2, 4), "bias": (3, 2, 4)}}, "ln_1": {"scale": (8,)}}}
     return jax.tree.map(lambda shape: jnp.sin(jnp.arange(math.prod(shape), dtype=jnp.float32)).reshape(shape) + 1.0,
                         shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def matrices_and_tables(params):
+    """The decay mask written out by name: the weight matrices (kernels) and the embedding tables."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
+
+
 def test_adamw_without_group_rates_is_optax_adamw_bit_for_bit():
     """The default optimizer is clip, then optax.adamw on the schedule: the same state
     structure (so checkpoints written before the groups restore) and the same updates."""
     train = TrainConfig(**{**TRAIN, "warmup_steps": 2, "steps": 10})
-    ours = make_optimizer(train)
+    declared = tiny_layout()
+    ours = make_optimizer(train, declared)
     reference = optax.chain(optax.clip_by_global_norm(train.clip), optax.adamw(
         learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps, weight_decay=train.weight_decay,
-        mask=lambda p: weight_decay_mask(p, train.decay_embeddings)))
-    shapes = tiny_params(jax.eval_shape)
+        mask=matrices_and_tables))
+    shapes = jax.tree.map(lambda leaf: leaf.value, declared, is_leaf=layout.is_declared)
     assert jax.tree.structure(jax.eval_shape(ours.init, shapes)) == \
         jax.tree.structure(jax.eval_shape(reference.init, shapes))
     params = few_params()  # one leaf of each group: a small program to compile
@@ -172,8 +183,8 @@ GROUPS = {"wte/embedding": "embed", "wpe/embedding": "embed", "lm_head/kernel": 
           "h_0/mlp/c_fc/kernel": "matrix", "h_0/mlp/c_proj/bias": "scalar"}
 
 
-def test_param_groups_by_path():
-    groups = param_groups(tiny_params(jax.eval_shape, logits_bias=True))
+def test_param_groups_as_declared():
+    groups = layout.groups(tiny_layout())
     flat = {"/".join(k.key for k in path): g for path, g in jax.tree_util.tree_leaves_with_path(groups)}
     assert {path: flat[path] for path in GROUPS} == GROUPS
     assert set(flat.values()) == {"embed", "head", "scalar", "matrix"}
@@ -190,12 +201,12 @@ def test_each_group_steps_at_its_own_rate(optimizer):
                            "head_lr": rates["head"], "scalar_lr": rates["scalar"], "warmup_steps": 3, "steps": 10,
                            "weight_decay": 0.0, "clip": 0.0, "eps": 1e-12})
     params = few_params()
-    optimizer_ = make_optimizer(train)
+    optimizer_ = make_optimizer(train, tiny_layout())
     grads = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size, dtype=jnp.float32).reshape(p.shape) * 1.3) + 0.05,
                          params)
     updates, _ = jax.jit(lambda g: optimizer_.update(g, optimizer_.init(params), params))(grads)
     for path, update in jax.tree_util.tree_leaves_with_path(updates):
-        group = param_group(path)
+        group = GROUPS["/".join(k.key for k in path)]
         if optimizer == "muon" and group == "matrix":
             assert float(jnp.abs(update).std()) > 0  # orthogonalised, not sign-like
             continue
@@ -216,7 +227,7 @@ def test_group_rates_follow_the_schedule_to_their_own_minimum():
     train = TrainConfig(**{**TRAIN, "lr": 0.01, "min_lr": 0.001, "embed_lr": 0.5, "warmup_steps": 2, "steps": 10,
                            "b1": 0.0, "b2": 0.0, "weight_decay": 0.0, "clip": 0.0, "eps": 1e-12})
     params = few_params()
-    optimizer = make_optimizer(train)
+    optimizer = make_optimizer(train, tiny_layout())
     grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
 
     @jax.jit
@@ -250,7 +261,7 @@ def test_a_schedule_or_optimizer_added_to_its_registry_is_a_train_setting_at_onc
     (dict(cooldown_fraction=0.0), r"^train.cooldown_fraction=0.0: must be a number in \(0, 1\]$"),
     (dict(cooldown_fraction=1.5), r"^train.cooldown_fraction=1.5: must be a number in \(0, 1\]$"),
     (dict(schedule="wsd", steps=100, warmup_steps=10, cooldown_fraction=0.001),
-     r"^train.cooldown_fraction=0.001 gives no cooldown step out of 100: raise it to at least 0.01$"),
+     r"^train.cooldown_fraction=0.001 gives no cooldown step out of train.steps=100: raise it to at least 0.01$"),
     (dict(schedule="wsd", steps=100, warmup_steps=50, cooldown_fraction=0.6),
      r"^train.cooldown_fraction=0.6: its cooldown of 60 steps would start at step 40, inside the warmup of 50"),
     (dict(embed_lr=-1.0), r"^train.embed_lr=-1.0: must be None \(train.lr\) or a number ≥ 0$"),

@@ -306,6 +306,7 @@ def test_init_from_a_run_directory_takes_its_model_tokenizer_and_params_with_a_f
     import jax
 
     from jaxgpt import rundir
+    from jaxgpt.model import param_layout
     from jaxgpt.optim import make_optimizer
     from jaxgpt.run import init_or_restore, open_run
 
@@ -321,7 +322,7 @@ def test_init_from_a_run_directory_takes_its_model_tokenizer_and_params_with_a_f
     try:
         assert run.model.n_layer == source_cfg.n_layer and run.model.block_size == 24  # architecture from the source
         assert run.corpus.tokenizer == source_tokenizer
-        state, _, start = init_or_restore(run, make_optimizer(run.train), jax.random.key(1))
+        state, _, start = init_or_restore(run, make_optimizer(run.train, param_layout(run.gpt)), jax.random.key(1))
     finally:
         run.checkpoints.close()
         run.lock.release()

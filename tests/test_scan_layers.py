@@ -75,19 +75,21 @@ def test_stacked_blocks_shard_as_the_loops_with_the_layer_axis_whole():
     from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as P
 
-    from jaxgpt.sharding import leaf_spec
+    from jaxgpt import layout
+    from jaxgpt.model import param_layout
 
     mesh = AbstractMesh((1, 2, 2), ("data", "fsdp", "tensor"))
     cfg = tiny(n_layer=3, n_head=4, d_model=16)
-    params = random_params(cfg)
-    loop = jax.tree_util.tree_flatten_with_path(params["h_0"])[0]
-    stacked = dict(jax.tree_util.tree_flatten_with_path(stack_layers(params)["h"])[0])
+    loop = jax.tree_util.tree_flatten_with_path(param_layout(cfg)["h_0"], is_leaf=layout.is_declared)[0]
+    stacked = dict(jax.tree_util.tree_flatten_with_path(param_layout(GPT(cfg, ComputeConfig(scan_layers=True)))["h"],
+                                                        is_leaf=layout.is_declared)[0])
     specs = 0
     for path, leaf in loop:
         name = "/".join(k.key for k in path)
-        spec = leaf_spec(f"params/h_0/{name}", leaf.shape, mesh)
+        spec = layout.spec(leaf, mesh)
         specs += spec != P()
-        assert leaf_spec(f"params/h/{name}", stacked[path].shape, mesh) == P(None, *spec), name
+        assert stacked[path].value.shape == (3, *leaf.value.shape), name
+        assert layout.spec(stacked[path], mesh) == P(None, *spec), name
     assert specs >= 4  # the rules did place the matrices
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from jaxgpt import GPTConfig, sharding
 from jaxgpt.config import TrainConfig
+from jaxgpt.model import param_layout
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.training import init_state, make_train_step
 
@@ -23,7 +24,7 @@ TRAIN = TrainConfig(**dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.
 
 def test_gradient_accumulation_equals_one_big_batch():
     cfg = GPTConfig(vocab_size=31, block_size=8, n_layer=2, n_head=2, d_model=16)
-    optimizer, schedule = make_optimizer(TRAIN), learning_rate_schedule(TRAIN)
+    optimizer, schedule = make_optimizer(TRAIN, param_layout(cfg)), learning_rate_schedule(TRAIN)
     state = init_state(cfg, optimizer, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, cfg.block_size + 1), 0, cfg.vocab_size)
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -137,7 +138,7 @@ def test_a_seeded_step_draws_dropout_with_the_key_of_seed_and_step():
     from jaxgpt.training import seeded
 
     cfg = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, d_model=16, dropout=0.5)
-    optimizer, schedule = make_optimizer(TRAIN), learning_rate_schedule(TRAIN)
+    optimizer, schedule = make_optimizer(TRAIN, param_layout(cfg)), learning_rate_schedule(TRAIN)
     state = init_state(cfg, optimizer, 3)
     by_key = init_state(cfg, optimizer, jax.random.key(3))  # a seed is the key of that seed
     assert jax.tree.all(jax.tree.map(jnp.array_equal, state.params, by_key.params))
@@ -157,7 +158,7 @@ def test_the_init_program_compiled_for_speed_of_compiling_gives_the_default_valu
     from jaxgpt.training import sharded_init
 
     cfg = GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=32)
-    optimizer = make_optimizer(TrainConfig(steps=10, warmup_steps=1))
+    optimizer = make_optimizer(TrainConfig(steps=10, warmup_steps=1), param_layout(cfg))
     state, _ = sharded_init(cfg, optimizer, 3, sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}))
     default = jax.jit(lambda seed: init_state(cfg, optimizer, seed))(3)
     leaves = jax.tree.leaves(default)

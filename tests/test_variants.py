@@ -16,8 +16,8 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from test_model import RECIPE, decode_step_by_step, forward, init_params, random_params, tiny, tokens
 
-from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache
-from jaxgpt.sharding import leaf_spec
+from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache, layout
+from jaxgpt.model import param_layout
 
 CACHED = [
     {"n_head": 4, "n_kv_head": 2},
@@ -188,27 +188,43 @@ def test_logits_bias_starts_at_zero_and_adds_to_every_position():
 MESH = AbstractMesh((1, 1, 2), ("data", "fsdp", "tensor"))
 
 
+def attention_layout(n_kv_head: int, n_head: int = 4) -> dict:
+    """The declarations of h_0's attention: d 16, n_head query heads, n_kv_head key/value heads, head_dim 8."""
+    declared = param_layout(tiny(n_head=n_head, n_kv_head=n_kv_head, head_dim=8))["h_0"]["attn"]
+    assert declared["kv_proj"]["kernel"].value.shape == (16, 2, n_kv_head, 8)
+    assert declared["q_proj"]["kernel"].value.shape == (16, n_head, 8)
+    return declared
+
+
 def test_grouped_query_params_split_over_the_tensor_axis():
-    assert leaf_spec("params/h_0/attn/kv_proj/kernel", (16, 2, 2, 8), MESH) == P(None, None, "tensor", None)
-    assert leaf_spec("params/h_0/attn/kv_proj/bias", (2, 2, 8), MESH) == P(None, "tensor", None)
-    assert leaf_spec("params/h_0/attn/q_proj/kernel", (16, 4, 8), MESH) == P(None, "tensor", None)
-    assert leaf_spec("opt/mu/h_0/attn/kv_proj/kernel", (16, 2, 1, 8), AbstractMesh((2, 1, 1), MESH.axis_names)) \
+    attn = attention_layout(n_kv_head=2)
+    assert layout.spec(attn["kv_proj"]["kernel"], MESH) == P(None, None, "tensor", None)
+    assert layout.spec(attn["kv_proj"]["bias"], MESH) == P(None, "tensor", None)
+    assert layout.spec(attn["q_proj"]["kernel"], MESH) == P(None, "tensor", None)
+    assert layout.spec(attention_layout(n_kv_head=1)["kv_proj"]["kernel"], AbstractMesh((2, 1, 1), MESH.axis_names)) \
         == P(None, None, None, None)
+    # one key/value head (multi-query attention) is whole on every device, the query heads still split
+    multi_query = attention_layout(n_kv_head=1)
+    assert layout.spec(multi_query["kv_proj"]["kernel"], MESH) == P(None, None, None, None)
+    assert layout.spec(multi_query["q_proj"]["kernel"], MESH) == P(None, "tensor", None)
 
 
 def test_kv_heads_that_do_not_split_over_the_tensor_axis_are_refused():
-    with pytest.raises(ValueError, match=r"n_kv_head=1 is not divisible by the mesh's tensor axis \(2\)"):
-        leaf_spec("params/h_0/attn/kv_proj/kernel", (16, 2, 1, 8), MESH)
+    with pytest.raises(ValueError, match=r"^kv_heads=3 is not divisible by the mesh's tensor axis \(2\): choose a "
+                                         r"multiple of mesh.tensor, or a mesh.tensor that divides it$") as raised:
+        layout.spec(attention_layout(n_kv_head=3, n_head=6)["kv_proj"]["kernel"], MESH)
+    assert "\n" not in str(raised.value)
 
 
 GQA_ON_TWO_DEVICES = """
 import jax, jax.numpy as jnp, numpy as np
-from jaxgpt import GPT, GPTConfig
-from jaxgpt.sharding import make_mesh, tree_shardings
+from jaxgpt import GPT, GPTConfig, layout
+from jaxgpt.model import param_layout
+from jaxgpt.sharding import make_mesh
 cfg = GPTConfig(vocab_size=23, block_size=16, n_layer=2, n_head=4, n_kv_head=2, d_model=16)
 params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
 mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 2})
-shardings = tree_shardings(params, mesh)
+shardings = layout.param_shardings(param_layout(cfg), mesh)
 assert shardings["h_0"]["attn"]["kv_proj"]["kernel"].spec[2] == "tensor"
 x = jax.random.randint(jax.random.key(1), (2, 9), 0, 23)
 apply = jax.jit(lambda p: GPT(cfg).apply({"params": p}, x))

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgpt import ops
+from jaxgpt import layout, ops
 from jaxgpt.config import TrainConfig
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 
@@ -54,8 +54,9 @@ def test_cosine_schedule_without_warmup():
 def test_two_adamw_steps_with_decoupled_decay():
     train = TrainConfig(lr=1e-3, min_lr=1e-3, warmup_steps=0, steps=10, b1=0.9, b2=0.999, eps=1e-8,
                         weight_decay=0.01, clip=0.0)
-    optimizer = make_optimizer(train)
-    theta = {"kernel": jnp.array(0.5)}  # a matrix's name, so AdamW decays it
+    theta = {"kernel": jnp.array(0.5)}
+    matrix = layout.Declared(jax.ShapeDtypeStruct((), jnp.float32), (), group="matrix")  # so AdamW decays it
+    optimizer = make_optimizer(train, {"kernel": matrix})
     state = optimizer.init(theta)
     for g in (0.3, -0.2):
         updates, state = optimizer.update({"kernel": jnp.array(g)}, state, theta)

@@ -1,7 +1,8 @@
 """Circuits: each attention head as a bilinear form that scores and a map that writes.
 
 Row vectors, as the code computes them (x W): for head h of layer l, with W_Q^h, W_K^h, W_V^h
-(d × d_head) the head's slices of c_attn and W_O^h (d_head × d) its slice of c_proj,
+(d × d_head) the head's slices of the (embed, qkv, heads, head_dim) projection and W_O^h
+(d_head × d) its slice of the (heads, head_dim, embed) one (found by their declared axes),
 
     W_QK^h = W_Q^h W_K^hᵀ   (d × d)   score(x_t, x_s) = x_t W_QK^h x_sᵀ / √d_head  (+ biases)
     W_OV^h = W_V^h W_O^h    (d × d)   what the head writes: Σ_s A[t, s] x_s W_OV^h
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxgpt import layout
+from jaxgpt.attention import FORMS
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import unstack_layers
+from jaxgpt.model import param_layout, unstack_layers
 
 KINDS = ("q", "k", "v")
 MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
@@ -33,18 +36,20 @@ MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
 
 def head_matrices(params, cfg: GPTConfig, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(W_QK, W_OV) of every head of `layer`, each (H, d, d)."""
-    attn = unstack_layers(params)[f"h_{layer}"]["attn"]
-    if cfg.attention == "linear":
+    block, declared = unstack_layers(params)[f"h_{layer}"], param_layout(cfg)[f"h_{layer}"]
+    if not FORMS[cfg.attention].has_weights:
         raise ValueError("circuits read softmax attention's bilinear score qᵀk; attention='linear' scores "
                          "φ(q)ᵀφ(k), which W_QK does not describe: analyse a model with softmax attention")
     if cfg.qk_norm:
         raise ValueError("circuits read the bilinear score qᵀk = x W_QK yᵀ; with qk_norm=True q and k are "
                          "normalised first, so W_QK does not describe the score: analyse a model without qk_norm")
-    if "c_attn" not in attn:
-        raise ValueError("circuits read per-head W_Q, W_K, W_V from c_attn: a model with n_kv_head < n_head (grouped-"
-                         "query attention) has none; analyse a model with n_kv_head == n_head")
-    qkv = np.asarray(attn["c_attn"]["kernel"], np.float64)  # (d, 3, H, D)
-    w_o = np.asarray(attn["c_proj"]["kernel"], np.float64)  # (H, D, d)
+    qkv = layout.find(block, declared, ("embed", "qkv", "heads", "head_dim"), "matrix")
+    if not qkv:
+        raise ValueError("circuits read per-head W_Q, W_K, W_V from one (d, 3, H, D) projection: a model with "
+                         "n_kv_head < n_head (grouped-query attention) has none; analyse a model with "
+                         "n_kv_head == n_head")
+    qkv = np.asarray(qkv[0], np.float64)  # (d, 3, H, D)
+    w_o = np.asarray(layout.find(block, declared, ("heads", "head_dim", "embed"), "matrix")[0], np.float64)  # (H, D, d)
     w_q, w_k, w_v = (np.moveaxis(qkv[:, i], 1, 0) for i in range(3))  # each (H, d, D)
     return w_q @ np.swapaxes(w_k, 1, 2), w_v @ w_o
 
@@ -99,8 +104,10 @@ def token_circuits(params, cfg: GPTConfig, layer: int, head: int) -> dict[str, n
         raise ValueError(f"token-level circuits are vocab_size² = {cfg.vocab_size}² large: they are for vocabularies "
                          f"of at most {MAX_TOKEN_VOCAB} tokens")
     qk, ov = head_matrices(params, cfg, layer)
-    w_e = np.asarray(params["wte"]["embedding"], np.float64)
-    w_u = w_e.T if cfg.tie_embeddings else np.asarray(params["lm_head"]["kernel"], np.float64)
+    params, declared = unstack_layers(params), param_layout(cfg)
+    w_e = np.asarray(layout.find(params, declared, ("vocab", "embed"), "embed")[0], np.float64)
+    unembedding = layout.find(params, declared, ("embed", "vocab"), "head")  # none when tied: W_U = W_Eᵀ
+    w_u = np.asarray(unembedding[0], np.float64) if unembedding else w_e.T
     return {"ov": w_e @ ov[head] @ w_u, "qk": w_e @ qk[head] @ w_e.T}
 
 

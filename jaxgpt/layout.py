@@ -1,0 +1,222 @@
+"""Parameters declare their layout where they are made; everything else reads the declaration.
+
+A parameter is made with `declare(init, axes, inputs=…, group=…)`: a logical name for each of
+its dimensions, how many of them are a weight matrix's inputs (the axes it is multiplied
+along), and its group. `GPT.init` refuses a parameter made without one. From the
+declarations, never from module names:
+
+    shardings        RULES maps each logical axis to a mesh axis (or none): params and every
+                     optimizer state that mirrors them
+    groups           embed (lookup tables), head (the untied unembedding), matrix (the other
+                     weight matrices), scalar (biases, gains): learning rates and weight decay
+    muon_axes        a matrix's reduction (input) and output axes; BATCH axes hold several
+                     matrices side by side (Q, K, V; the stacked layers), each its own
+    quantisation     int8 weights keep a matrix's input axes last (jaxgpt.quantize)
+
+The tree of declarations (`Declared` boxes around ShapeDtypeStructs) comes from
+`jaxgpt.model.param_layout(model)`; its structure is the params'.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxgpt.axes import AXES
+
+# Every logical axis a parameter may name, and what it is.
+LOGICAL_AXES = {
+    "vocab": "the vocabulary: the token table's rows, the unembedding's columns",
+    "positions": "the rows of the learned position table",
+    "embed": "d_model as a dimension of a matrix",
+    "norm": "d_model as the length of a vector: gains and biases",
+    "heads": "the query heads",
+    "kv_heads": "the key and value heads (grouped-query attention)",
+    "head_dim": "the size of a head",
+    "qkv": "Q, K and V side by side",
+    "kv": "K and V side by side",
+    "mlp": "the FFN's hidden width, where a matrix writes it (and W_out reads it)",
+    "mlp_in": "the FFN's hidden width read by its second and later layers (ffn_layers > 1)",
+    "layers": "the blocks stacked on one axis (compute.scan_layers)",
+}
+# Logical axis → the mesh axis it is split over (None: whole). One table for every parameter.
+RULES = (
+    ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
+    ("mlp_in", "fsdp"), ("positions", None), ("norm", None), ("head_dim", None), ("qkv", None), ("kv", None),
+    ("layers", None),
+)
+# Axes that must divide their mesh axis evenly (no silent replication): each device's query
+# heads read their own key/value heads. (One head, multi-query attention, is on every device.)
+STRICT = frozenset({"kv_heads"})
+# Axes along which one parameter holds several matrices side by side.
+BATCH = frozenset({"qkv", "kv", "layers"})
+GROUPS = ("embed", "head", "matrix", "scalar")
+LAYERS = "layers"  # the name nn.scan gives the stacked axis (metadata_params)
+
+
+class Declared(nn.LogicallyPartitioned):
+    """A parameter's declaration around its value: `names` (one logical axis per dimension),
+    `inputs` (a matrix's input axes, leading, after any batch axes; 0 for vectors and tables)
+    and `group`. Unboxed it is the plain value: no constraint is added where it is read."""
+
+    inputs: int = struct.field(default=0, pytree_node=False)
+    group: str = struct.field(default="scalar", pytree_node=False)
+
+    def unbox(self, apply_constraint=True) -> Any:
+        return self.value
+
+
+def declare(init, names: tuple[str, ...], inputs: int = 0, group: str = "scalar"):
+    """An initializer whose parameter carries its declaration (see Declared)."""
+    unknown = [name for name in names if name not in LOGICAL_AXES]
+    if unknown or group not in GROUPS:
+        raise ValueError(f"declare: unknown logical axes {unknown} or group {group!r} (known axes: "
+                         f"{', '.join(LOGICAL_AXES)}; groups: {', '.join(GROUPS)})")
+
+    def make(*args, **kwargs):
+        return Declared(init(*args, **kwargs), tuple(names), inputs=inputs, group=group)
+
+    return make
+
+
+def is_declared(node) -> bool:
+    return isinstance(node, Declared)
+
+
+def check(params) -> None:
+    """ValueError naming the first parameter made without a declaration, or whose names do
+    not match its dimensions: a parameter without axes is an error, never replicated silently."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_declared):
+        where = jax.tree_util.keystr(path, simple=True, separator="/")
+        if not is_declared(leaf):
+            raise ValueError(f"parameter {where} was made without logical axes: make it with "
+                             "jaxgpt.layout.declare(init, axes, …) so that its layout is known")
+        if len(leaf.names) != len(leaf.value.shape):
+            raise ValueError(f"parameter {where} of shape {tuple(leaf.value.shape)} declares {len(leaf.names)} axes "
+                             f"{leaf.names}: name each dimension")
+
+
+def _map(fn, layout):
+    return jax.tree.map(fn, layout, is_leaf=is_declared)
+
+
+# --- on the mesh ------------------------------------------------------------------------------
+
+
+def check_rules(rules=RULES) -> dict[str, str | None]:
+    """The rules as a dict; ValueError for one that names an unknown logical or mesh axis."""
+    table = dict(rules)
+    bad = [f"{logical} → {mesh}" for logical, mesh in rules
+           if logical not in LOGICAL_AXES or (mesh is not None and mesh not in AXES)]
+    if bad:
+        raise ValueError(f"layout rules {', '.join(bad)}: a rule maps a logical axis ({', '.join(LOGICAL_AXES)}) to "
+                         f"a mesh axis ({', '.join(AXES)}) or None")
+    return table
+
+
+def spec(leaf: Declared, mesh, rules=RULES) -> P:
+    """The mesh spec of one declared parameter: each logical axis by the rules, left whole where
+    its mesh axis does not divide the dimension (a vocabulary of 65 over 2), or is used already;
+    ValueError where a STRICT axis does not divide."""
+    table, used, dims = check_rules(rules), set(), []
+    for name, size in zip(leaf.names, leaf.value.shape, strict=True):
+        axis = table.get(name)
+        ways = 1 if axis is None else mesh.shape[axis]
+        if axis is not None and ways > 1 and size % ways and size > 1 and name in STRICT:  # one head: on every device
+            raise ValueError(f"{name}={size} is not divisible by the mesh's {axis} axis ({ways}): choose a multiple "
+                             f"of mesh.{axis}, or a mesh.{axis} that divides it")
+        keep = axis is not None and ways > 1 and size % ways == 0 and axis not in used
+        used |= {axis} if keep else set()
+        dims.append(axis if keep else None)
+    return P(*dims)
+
+
+def param_shardings(layout, mesh, rules=RULES):
+    """A NamedSharding for every parameter of `layout`."""
+    return _map(lambda leaf: NamedSharding(mesh, spec(leaf, mesh, rules)), layout)
+
+
+def tree_shardings(tree, layout, mesh, rules=RULES):
+    """A NamedSharding for every leaf of `tree` (a train state: step, params, optimizer state):
+    a leaf whose path ends with a parameter's path and has its shape (the params themselves,
+    AdamW's moments, Muon's momentum) is laid out as that parameter; anything else is whole."""
+    specs = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(layout, is_leaf=is_declared):
+        specs[_names(path)] = (tuple(leaf.value.shape), spec(leaf, mesh, rules))
+
+    def place(path, leaf):
+        names, shape = _names(path), tuple(getattr(leaf, "shape", ()))
+        for start in range(len(names)):
+            found = specs.get(names[start:])
+            if found is not None and found[0] == shape:
+                return NamedSharding(mesh, found[1])
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
+
+
+def bytes_per_device(layout, mesh, rules=RULES) -> int:
+    """The parameters' bytes on the device that holds the most: each leaf's shard."""
+    def shard_bytes(leaf):
+        shape = NamedSharding(mesh, spec(leaf, mesh, rules)).shard_shape(leaf.value.shape)
+        return math.prod(shape) * leaf.value.dtype.itemsize
+
+    return sum(jax.tree.leaves(_map(shard_bytes, layout)))
+
+
+# --- roles --------------------------------------------------------------------------------------
+
+
+def groups(layout):
+    """The group of every parameter (embed, head, matrix, scalar), as a tree of strings."""
+    return _map(lambda leaf: leaf.group, layout)
+
+
+def decays(leaf: Declared, decay_embeddings: bool = True) -> bool:
+    """Whether weight decay applies: to the weight matrices (matrix, head) and, with
+    decay_embeddings, the embedding tables; never to biases or gains."""
+    return leaf.group in ("matrix", "head") or (decay_embeddings and leaf.group == "embed")
+
+
+def decay_mask(layout, decay_embeddings: bool = True):
+    """`decays` of every parameter, as a tree of booleans."""
+    return _map(lambda leaf: decays(leaf, decay_embeddings), layout)
+
+
+def matrix_axes(leaf: Declared) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(reduction axes, output axes) of a weight matrix: its declared inputs, then the rest;
+    BATCH axes are neither (each index along them is a matrix of its own)."""
+    own = [i for i, name in enumerate(leaf.names) if name not in BATCH]
+    if not own or leaf.inputs < 1:
+        raise ValueError(f"a parameter with axes {leaf.names} declares no input axes: it is no matrix")
+    in_order = [i for i, name in enumerate(leaf.names) if name != LAYERS]
+    inputs = set(in_order[:leaf.inputs])
+    return tuple(i for i in own if i in inputs), tuple(i for i in own if i not in inputs)
+
+
+def find(params, layout, names: tuple[str, ...], group: str | None = None) -> list:
+    """The parameters of `params` (in tree order) whose declaration in `layout` (the same tree's)
+    names exactly these axes, and is of `group` when given: how a reader finds, say, the
+    attention's (embed, qkv, heads, head_dim) matrix without knowing what the model calls it."""
+    leaves = jax.tree.leaves(layout, is_leaf=is_declared)
+    values = jax.tree.leaves(params)
+    if len(leaves) != len(values):
+        raise ValueError(f"the params hold {len(values)} tensors and their declarations {len(leaves)}: give the "
+                         "params of the model whose layout this is")
+    return [value for leaf, value in zip(leaves, values, strict=True)
+            if tuple(leaf.names) == tuple(names) and group in (None, leaf.group)]
+
+
+def muon_axes(layout):
+    """(reduction, output) axes of every matrix-group parameter, None for the others."""
+    return _map(lambda leaf: matrix_axes(leaf) if leaf.group == "matrix" else None, layout)
