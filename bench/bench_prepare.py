@@ -4,6 +4,7 @@ large documents prepared with a BPE tokenizer trained in the preparation, 1 work
 
     python bench/bench_prepare.py [--scale 1.0] [--workdir DIR] [--keep]
     python bench/bench_prepare.py --large [--size_mb 200] [--document_mb 5] [--runs 3]
+    python bench/bench_prepare.py --small_files [--size_mb 300] [--runs 3]
 
 The corpus (≥ 1 GB at --scale 1) is generated: the standard library's .py files copied over
 and over, each copy changed deterministically (some identifiers renamed, a header naming the
@@ -13,22 +14,29 @@ whole. Every preparation runs in its own process (as `python -m jaxgpt.data` wou
 with byte-level BPE 8192, trained once on a sample and then given as a file, so the rows
 measure reading, encoding and writing, not BPE training (whose time is printed apart).
 
-Memory: the peak resident memory of the preparing process (its ru_maxrss), the largest of
-its encoding workers (RUSAGE_CHILDREN) and, when psutil is installed, the peak of the whole
-process tree's sum sampled every 50 ms. Throughput: MB of text per second with 1 and 2
-workers, and their ratio (measured side by side on this machine). Resume: the 1 × scale
-corpus prepared with 2 workers and killed (SIGKILL) halfway through its uninterrupted time,
-then prepared again: the shards must equal the uninterrupted ones byte for byte.
+Memory: the peak resident memory of the preparing process (its VmHWM on Linux, else its
+ru_maxrss, which Linux carries over from the parent across exec), the largest of its encoding
+workers (RUSAGE_CHILDREN: on Linux at least the preparing process's size when they started)
+and, when psutil is installed, the peak of the whole process tree's sum sampled every 50 ms.
+Throughput: MB of text per second with 1 and 2 workers, and their ratio (measured side by side
+on this machine). Resume: the 1 × scale corpus prepared with 2 workers and killed (SIGKILL)
+halfway through its uninterrupted time, then prepared again: the shards must equal the
+uninterrupted ones byte for byte.
 
 --large: documents of --document_mb MB (--size_mb MB in all) of made-up words drawn by Zipf's
 law from a 400,000-word vocabulary, the same every time (seeded). Each run prepares it with
 data.tokenizer=bpe, vocab_size 8192 (the default sample, 200 MB, so the tokenizer learns from the
 whole train split), once with 1 worker and once with 2, alternating, each in a new process. The
-table gives the median wall time of the runs (the process's whole life), 2 workers against 1, and
+table gives the median wall time of the runs (the process's whole life) and CPU time (the process's
+and its workers', which other processes on the machine sway less), 2 workers against 1, and
 the peak resident memory of the whole process tree (parent and workers summed, sampled every
-50 ms); both tokenizers must be the same file. Each run also says how much CPU other processes
+50 ms); the tokenizers and the shards must be the same bytes. Each run also says how much CPU other processes
 took meanwhile (in cores, from the machine's busy time less the run's own): on a shared machine,
 runs where it is not near 0 do not measure the preparation alone.
+
+--small_files: the same runs and table as --large, on a corpus of --size_mb MB of many small
+files (the stdlib copies above, ~10 KB each) instead of large documents: the sample is then
+many documents, whose distinct pieces the workers count.
 """
 
 from __future__ import annotations
@@ -69,14 +77,17 @@ RENAMED = ("self", "value", "result", "name", "data", "path", "args", "item", "k
 VOCAB_SIZE = 8192
 
 CHILD = """
-import json, resource, sys, time
+import json, os, resource, sys, time
 from jaxgpt import data
 start = time.perf_counter()
 corpus = data.prepare(json.loads(sys.argv[1]))
 took = time.perf_counter() - start
 splits = corpus.meta["splits"].values()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # on Linux, at least the parent's peak at exec
+if os.path.exists("/proc/self/status"):  # this process's own peak
+    peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"seconds": took, "bytes": sum(s["bytes"] for s in splits), "tokens": sum(s["tokens"] for s in splits),
-                  "self_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "self_rss": peak,
                   "worker_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
                   "directory": str(corpus.directory)}))
 """
@@ -130,9 +141,10 @@ def prepare(cfg: dict, kill_after: float | None = None) -> dict | None:
     if process.returncode:
         raise SystemExit(f"preparing {cfg['source']} failed (exit {process.returncode})")
     wall = time.perf_counter() - start  # with the process's start, which `seconds` leaves out
-    others = (busy_seconds() - busy) - (children_seconds() - ours)  # the CPU that other processes took meanwhile
+    cpu = children_seconds() - ours  # the preparation's and its workers'
+    others = (busy_seconds() - busy) - cpu  # the CPU that other processes took meanwhile
     return {**json.loads(output.strip().splitlines()[-1]), "tree_rss": tree_peak, "wall": wall,
-            "others_cores": others / wall}
+            "others_cores": others / wall, "cpu": cpu}
 
 
 def busy_seconds() -> float:
@@ -165,6 +177,16 @@ def shard_bytes(directory: str) -> dict[str, bytes]:
         {"meta.json": Path(directory, "meta.json").read_bytes()}
 
 
+def shards_sha256(directory: str) -> str:
+    """SHA-256 of the token shards, one after the other, and of meta.json."""
+    digest = hashlib.sha256()
+    for path in [*sorted(Path(directory).glob("*.bin")), Path(directory, "meta.json")]:
+        with open(path, "rb") as file:
+            while chunk := file.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def mb(value: float) -> str:
     return f"{value / 1e6:,.0f}"
 
@@ -176,14 +198,18 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the workdir")
     parser.add_argument("--sample-mb", type=float, default=5.0, help="text the BPE tokenizer is trained on")
     parser.add_argument("--large", action="store_true", help="large documents, BPE trained in the preparation")
-    parser.add_argument("--size_mb", type=float, default=200.0, help="--large: the corpus's size")
+    parser.add_argument("--small_files", action="store_true",
+                        help="as --large, on a corpus of many small files (--size_mb MB of stdlib copies)")
+    parser.add_argument("--size_mb", type=float, default=None, help="--large (200) / --small_files (300): the size")
     parser.add_argument("--document_mb", type=float, default=5.0, help="--large: each document's size")
-    parser.add_argument("--runs", type=int, default=3, help="--large: runs of each worker count (the median)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="--large / --small_files: runs of each worker count (the median)")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_prepare-"))
     try:
-        if args.large:
-            large_case(workdir, args.size_mb, args.document_mb, args.runs)
+        if args.large or args.small_files:
+            size_mb = args.size_mb or (300.0 if args.small_files else 200.0)
+            large_case(workdir, size_mb, args.document_mb, args.runs, small_files=args.small_files)
         else:
             run(workdir, args.scale, args.sample_mb)
     finally:
@@ -253,13 +279,19 @@ def resume_row(workdir: Path, cfg: dict) -> None:
         raise SystemExit("the resumed preparation differs from the uninterrupted one")
 
 
-def large_case(workdir: Path, size_mb: float, document_mb: float, runs: int) -> None:
-    """Prepare a corpus of large documents with BPE trained in the preparation: 1 and 2 workers, alternating."""
+def large_case(workdir: Path, size_mb: float, document_mb: float, runs: int, small_files: bool = False) -> None:
+    """Prepare a corpus of large documents (or of many small files) with BPE trained in the preparation: 1 and 2
+    workers, alternating."""
     print(f"CPU: {cpu_model()}")
-    corpus = workdir / "large"
+    corpus = workdir / ("small" if small_files else "large")
     start = time.perf_counter()
-    count = write_large_documents(corpus, size_mb * 1e6, document_mb * 1e6)
-    print(f"generated {count} documents of ~{document_mb:g} MB in {time.perf_counter() - start:.0f} s\n")
+    if small_files:
+        generate(corpus, int(size_mb * 1e6))
+        files = sum(1 for _ in corpus.rglob("*.txt"))
+        print(f"generated {files:,} files ({size_mb:g} MB) in {time.perf_counter() - start:.0f} s\n")
+    else:
+        count = write_large_documents(corpus, size_mb * 1e6, document_mb * 1e6)
+        print(f"generated {count} documents of ~{document_mb:g} MB in {time.perf_counter() - start:.0f} s\n")
     cfg = {"source": str(corpus), "tokenizer": "bpe", "vocab_size": VOCAB_SIZE, "val_fraction": 0.01}
     results: dict[int, list[dict]] = {1: [], 2: []}
     for run in range(runs):
@@ -267,25 +299,34 @@ def large_case(workdir: Path, size_mb: float, document_mb: float, runs: int) -> 
             cache = workdir / f"cache-large-{workers}"
             result = prepare({**cfg, "workers": workers, "cache_dir": str(cache)})
             result["tokenizer"] = hashlib.sha256(Path(result["directory"], "tokenizer.json").read_bytes()).hexdigest()
+            result["shards"] = shards_sha256(result["directory"])
             results[workers].append(result)
             shutil.rmtree(cache)
-            print(f"run {run + 1}, {workers} worker(s): {result['wall']:.1f} s, tree peak {mb(result['tree_rss'])} MB, "
+            print(f"run {run + 1}, {workers} worker(s): {result['wall']:.1f} s ({result['cpu']:.1f} s of CPU), "
+                  f"tree peak {mb(result['tree_rss'])} MB "
+                  f"(main {mb(result['self_rss'])}, largest worker {mb(result['worker_rss'])}), "
                   f"other processes {result['others_cores']:.2f} cores")
     wall = {workers: statistics.median(r["wall"] for r in rows) for workers, rows in results.items()}
-    peak = {workers: max(r["tree_rss"] for r in rows) for workers, rows in results.items()}
+    peak = {workers: statistics.median(r["tree_rss"] for r in rows) for workers, rows in results.items()}
     same = len({r["tokenizer"] for rows in results.values() for r in rows}) == 1
+    same_shards = len({r["shards"] for rows in results.values() for r in rows}) == 1
     print()
-    print_table(("workers", f"wall s (median of {runs})", "MB/s of text", "peak MB (tree)", "peak MB (main)",
-                 "same tokenizer"),
-                [(str(workers), f"{wall[workers]:.1f}", f"{results[workers][0]['bytes'] / wall[workers] / 1e6:.1f}",
-                  mb(peak[workers]) if psutil else "-", mb(max(r["self_rss"] for r in results[workers])),
-                  "yes" if same else "NO") for workers in (1, 2)])
+    print_table(("workers", f"wall s (median of {runs})", "CPU s (median)", "MB/s of text", "peak MB (tree, median)",
+                 "peak MB (main)", "peak MB (worker)", "same tokenizer", "same shards"),
+                [(str(workers), f"{wall[workers]:.1f}", f"{statistics.median(r['cpu'] for r in results[workers]):.1f}",
+                  f"{results[workers][0]['bytes'] / wall[workers] / 1e6:.1f}",
+                  mb(peak[workers]) if psutil else "-", mb(statistics.median(r["self_rss"] for r in results[workers])),
+                  mb(statistics.median(r["worker_rss"] for r in results[workers])) if workers > 1 else "-",
+                  "yes" if same else "NO", "yes" if same_shards else "NO") for workers in (1, 2)])
+    highest = max(r["tree_rss"] for rows in results.values() for r in rows)
     print(f"\n2 workers / 1 worker: {wall[1] / wall[2]:.2f}× faster end to end (goal ≥ 1.8×); "
-          f"peak of the process tree {mb(max(peak.values()))} MB (goal ≤ 1,000 MB)")
+          f"peak of the process tree {mb(highest)} MB at most (goal ≤ 1,000 MB)")
     busiest = max(r["others_cores"] for rows in results.values() for r in rows)
     if busiest > 0.1:
         print(f"note: other processes took up to {busiest:.2f} of the cores during these runs: the times are not "
               "those of a quiet machine")
+    if not same_shards:
+        raise SystemExit("the shards written with 1 and 2 workers differ")
     if not same:
         raise SystemExit("the tokenizers trained with 1 and 2 workers differ")
 

@@ -404,6 +404,23 @@ def test_the_tokenizer_sample_is_read_as_it_is_iterated_and_again_from_memory():
     assert (whole.documents, whole.bytes, whole.read) == (["ab"], 2, [("train", "ab"), ("val", "x")])
 
 
+def test_a_sample_read_once_lets_each_document_go_and_keeps_what_it_read_in_a_file(tmp_path):
+    items = [("train", "ab"), ("val", "x\n\ud800y"), ("train", "cdé"), ("val", ""), ("train", "東京")]
+    sample = TrainSample(iter(items), max_bytes=100, keep=False, spill=tmp_path / "read.tmp")
+    assert not sample.empty() and sample.documents == ["ab"]  # read, not given yet
+    assert list(sample) == ["ab", "cdé", "東京"]
+    assert sample.documents == [None, None, None] and sample.bytes == 2 + 4 + 6  # counted, not held
+    with pytest.raises(RuntimeError, match="read once"):
+        next(iter(sample))
+    assert len(sample.read) == 5 and list(sample.read) == items == list(sample.read)  # from the file, in order
+    sample.discard_read()
+    assert sample.read is None and not (tmp_path / "read.tmp").exists()
+    full = TrainSample(iter(items), max_bytes=5, keep=False, spill=tmp_path / "full.tmp")
+    assert list(full) == ["ab", "cd"] and full.read is None  # full: the corpus is read again, the file gone
+    assert not (tmp_path / "full.tmp").exists()
+    assert TrainSample(iter([("val", "x")]), max_bytes=5, spill=tmp_path / "empty.tmp").empty()
+
+
 def test_bytes_per_token_is_text_bytes_over_tokens(tmp_path):
     root = write_files(tmp_path / "corpus", DOCS)
     corpus = data.prepare(config(tmp_path, source=str(root)))

@@ -107,6 +107,37 @@ def test_a_bpe_tokenizer_counted_by_two_workers_is_the_file_one_process_trains(t
     assert shard_files(one) == shard_files(two)
 
 
+@pytest.mark.parametrize("sample_bytes", [400_000, 60_000], ids=["corpus within the sample", "corpus beyond it"])
+def test_a_sample_let_go_and_its_reading_kept_on_disk_change_no_byte(tmp_path, corpus_dir, monkeypatch,
+                                                                     sample_bytes):
+    """The BPE's sample is read once and not held, and what the first pass read waits in a file of
+    the build (not in memory) to be encoded when it was the whole corpus: the tokenizer, shards and
+    meta.json are those of a sample and a first pass held in memory, with 1 worker and with 2; a
+    corpus within the sample is read from its source once, one beyond it twice."""
+    from jaxgpt.data import split, stream
+
+    class Held(split.TrainSample):  # as before: the sample and what it read held in memory
+        def __init__(self, items, max_bytes, keep=True, spill=None):
+            super().__init__(items, max_bytes)
+
+    passes = []
+    original = stream.corpus_items
+    monkeypatch.setattr(stream, "corpus_items", lambda *args: passes.append(1) or original(*args))
+    settings_ = {"tokenizer": "bpe", "vocab_size": 400, "tokenizer_sample_bytes": sample_bytes,
+                 "encode_batch_bytes": 8_000, "shard_tokens": 30_000}
+    let_go = {workers: data.prepare(config(tmp_path, corpus_dir, f"let-go-{workers}", **settings_, workers=workers))
+              for workers in (1, 2)}
+    assert len(passes) == (2 if sample_bytes == 400_000 else 4)
+    monkeypatch.setattr(stream, "TrainSample", Held)
+    held = data.prepare(config(tmp_path, corpus_dir, "held", **settings_, workers=2))
+    for corpus in let_go.values():
+        assert (corpus.directory / "tokenizer.json").read_bytes() == (held.directory / "tokenizer.json").read_bytes()
+        assert shard_files(corpus) == shard_files(held) and len(shard_files(held)) >= 2
+        assert (corpus.directory / "meta.json").read_bytes() == (held.directory / "meta.json").read_bytes()
+        assert sorted(p.name for p in corpus.directory.iterdir()) == sorted(p.name for p in held.directory.iterdir())
+    assert (held.meta["tokenizer_sample"]["bytes"] < sample_bytes) == (sample_bytes == 400_000)
+
+
 def test_workers_count_apart_into_disjoint_shares_then_run_what_is_asked_meanwhile(tmp_path):
     import functools
     import tempfile
@@ -446,15 +477,20 @@ def test_one_ctrl_c_stops_a_preparation_at_once_with_its_workers(tmp_path, corpu
 # --- memory ------------------------------------------------------------------------------------
 
 PEAK = """
-import json, resource, sys
+import json, os, resource, sys
 from jaxgpt import data
 corpus = data.prepare(json.loads(sys.argv[1]))
-print(corpus.meta["splits"]["train"]["bytes"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+if os.path.exists("/proc/self/status"):  # this program's own peak: Linux's ru_maxrss keeps the parent's across exec
+    peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+else:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+print(corpus.meta["splits"]["train"]["bytes"], peak)
 """
 
 
 def peak_memory(cfg: dict) -> tuple[int, int]:
-    """(train bytes prepared, peak resident bytes) of a process that prepares `cfg`."""
+    """(train bytes prepared, peak resident bytes) of a process that prepares `cfg` (its own, not
+    the peak of this test process, which a child's ru_maxrss would report on Linux)."""
     done = subprocess.run([sys.executable, "-c", PEAK, json.dumps(cfg)], capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     text_bytes, peak = done.stdout.decode().split()[-2:]
@@ -474,6 +510,22 @@ def test_peak_memory_stays_bounded_whatever_the_corpus_size(tmp_path):
     prepared, peak = peak_memory(config(tmp_path, big, **limits))
     assert prepared > 25e6
     # Holding the corpus would take more than its 30 MB of text; the batches and sample take a few.
+    assert peak - baseline < 12e6, f"preparing {prepared / 1e6:.0f} MB grew the process by {(peak - baseline) / 1e6} MB"
+
+
+def test_a_bpe_sample_as_large_as_the_corpus_is_counted_not_held(tmp_path):
+    """BPE learns from counted pieces in one pass: its 30 MB sample, here the whole corpus, is not
+    held in memory (nor is what the first pass read, which waits on disk to be encoded)."""
+    line = json.dumps({"text": "All work and no play makes Jack a dull boy. " * 230})  # ~10 KB
+    for name, lines in (("big", 3_000), ("small", 150)):  # 30 MB; 1.5 MB, which builds the same encoders
+        with open(tmp_path / f"{name}.jsonl", "w", encoding="utf-8") as file:
+            for i in range(lines):
+                file.write(line.replace("Jack", f"{name}{i}", 1) + "\n")
+    limits = {"tokenizer": "bpe", "vocab_size": 300, "tokenizer_sample_bytes": 40_000_000,
+              "encode_batch_bytes": 500_000, "shard_tokens": 4_000_000}
+    _, baseline = peak_memory(config(tmp_path, tmp_path / "small.jsonl", **limits))
+    prepared, peak = peak_memory(config(tmp_path, tmp_path / "big.jsonl", **limits))
+    assert prepared > 25e6
     assert peak - baseline < 12e6, f"preparing {prepared / 1e6:.0f} MB grew the process by {(peak - baseline) / 1e6} MB"
 
 

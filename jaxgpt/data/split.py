@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO
 
 SPLITS = ("train", "val")
 SAMPLE_RULE = "the first train documents up to data.tokenizer_sample_bytes UTF-8 bytes, the last one cut"
@@ -52,23 +54,38 @@ def assign_splits(documents: Iterable[str], val_fraction: float) -> Iterator[tup
 class TrainSample:
     """The tokenizer's sample: the first train documents of `items` up to `max_bytes` UTF-8 bytes,
     the one that crosses the limit cut on a character, read as it is iterated (so that its
-    documents can be counted while the rest is read), and again from memory on a second pass.
+    documents can be counted while the rest is read), and again from memory on a second pass;
+    with `keep=False`, read once: each document is let go once it has been given (its place in
+    `documents` holds None), for a tokenizer that learns in one pass, so that the sample is not
+    held as a whole.
 
     Once read to its end: `documents`, their `bytes`, and `read`: every item read when the stream
     ended before the sample was full, having read at most 2 · max_bytes characters (a corpus that
-    need not be read again), else None. Reading stops once the sample is full."""
+    need not be read again), else None. Reading stops once the sample is full. With `spill` (a
+    file's path), the items are kept in that file rather than in memory, and `read` reads them
+    back from it (`discard_read` removes it)."""
 
-    def __init__(self, items: Iterable[tuple[str, str]], max_bytes: int):
-        self._items, self.max_bytes = iter(items), max_bytes
-        self.documents: list[str] = []
-        self.bytes, self._read_chars, self._ended = 0, 0, False
-        self.read: list[tuple[str, str]] | None = []
+    def __init__(self, items: Iterable[tuple[str, str]], max_bytes: int, keep: bool = True,
+                 spill: Path | None = None):
+        self._items, self.max_bytes, self.keep = iter(items), max_bytes, keep
+        self.documents: list[str | None] = []
+        self.bytes, self._read_chars, self._ended, self._let_go = 0, 0, False, False
+        self.read: list[tuple[str, str]] | SpilledItems | None = [] if spill is None else SpilledItems(spill)
 
     def __iter__(self) -> Iterator[str]:
+        if self._let_go:
+            raise RuntimeError("a tokenizer sample read with keep=False is read once: its documents are gone")
         index = 0
         while index < len(self.documents) or self._read_one():
-            yield self.documents[index]
+            document = self.documents[index]
+            if not self.keep:
+                self.documents[index], self._let_go = None, True
+            yield document
             index += 1
+
+    def empty(self) -> bool:
+        """Whether the sample has no document (reading its first one, which is not given yet)."""
+        return not (self.documents or self._read_one())
 
     def finish(self) -> TrainSample:
         """Read to the sample's end (what the iterations have not read yet)."""
@@ -76,18 +93,26 @@ class TrainSample:
             pass
         return self
 
+    def discard_read(self) -> None:
+        """Let the items read go (their file removed, with `spill`)."""
+        if isinstance(self.read, SpilledItems):
+            self.read.discard()
+        self.read = None
+
     def _read_one(self) -> bool:
         """Read items until the sample has one more document; False once it is complete."""
         for split, document in [] if self._ended else self._items:
             if self.read is not None:
                 self.read.append((split, document))
                 self._read_chars += len(document)
-                self.read = self.read if self._read_chars <= 2 * self.max_bytes else None
+                if self._read_chars > 2 * self.max_bytes:
+                    self.discard_read()
             if split != "train":
                 continue
             size = utf8_size(document)
             if self.bytes + size >= self.max_bytes:
-                self._ended, self.read = True, None
+                self._ended = True
+                self.discard_read()
                 last = document.encode("utf-8")[:self.max_bytes - self.bytes].decode("utf-8", "ignore")
                 self.bytes += utf8_size(last)
                 if last:
@@ -97,7 +122,45 @@ class TrainSample:
             self.bytes += size
             return True
         self._ended = True
+        if isinstance(self.read, SpilledItems):
+            self.read.close()
         return False
+
+
+class SpilledItems:
+    """(split, document) items written to a file as they come and read back in order: each is the
+    split's index (1 byte), the document's UTF-8 length (8 bytes, little-endian) and its UTF-8."""
+
+    def __init__(self, path: Path):
+        self.path, self.count = path, 0
+        self._file: BinaryIO | None = open(path, "wb")  # closed by close() or discard()
+
+    def append(self, item: tuple[str, str]) -> None:
+        split, document = item
+        data = document.encode("utf-8", "surrogatepass")
+        self._file.write(SPLITS.index(split).to_bytes(1, "little") + len(data).to_bytes(8, "little"))
+        self._file.write(data)
+        self.count += 1
+
+    def close(self) -> None:
+        """The writing done: what was appended can be read."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def discard(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        self.close()
+        with open(self.path, "rb") as file:
+            for _ in range(self.count):
+                head = file.read(9)
+                yield SPLITS[head[0]], file.read(int.from_bytes(head[1:], "little")).decode("utf-8", "surrogatepass")
 
 
 def utf8_size(text: str) -> int:

@@ -3,9 +3,12 @@
 The documents flow from the source through the split rule (jaxgpt.data.split) and the
 encoding workers (jaxgpt.data.encode) into each split's shards (jaxgpt.data.shards), one
 <|eos|> between consecutive documents of a split. Nothing holds the corpus: memory is the
-tokenizer's sample (when a tokenizer is trained, in a first pass that reads only as far as
-the sample needs) and the batches in flight. The same worker processes count the sample's
-pieces as it is read (for a kind that learns from counts) and then encode the corpus.
+batches in flight and, when a tokenizer is trained (in a first pass that reads only as far as
+the sample needs), what it learns from. The same worker processes count the sample's pieces
+as it is read (for a kind that learns from counts, which reads its sample once and holds its
+counts, not its text) and then encode the corpus. What the first pass reads waits in a file of
+the build directory (read.tmp), not in memory, in case it turns out to be the whole corpus,
+which is then encoded from there rather than read from its source again.
 
 Resuming: after each finished shard, `progress.json` in the build directory records a
 checkpoint — the document the stream had reached and how many of its tokens were written,
@@ -49,6 +52,7 @@ from jaxgpt.tokenizers import Tokenizer
 log = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
+READ_FILE = "read.tmp"  # what the tokenizer's sample read, on disk until it proves not to be the whole corpus
 Progress = Callable[[int, int], None]  # (documents, UTF-8 bytes) written since the last call
 
 
@@ -61,10 +65,14 @@ def write_text(partial: Path, source: Source, val_source: Source | None, setting
     """Write (or finish writing) a text corpus into `partial`: tokenizer.json and the shards.
     Returns (tokenizer, dtype, per-split counts and shard index, more meta)."""
     saved = _read_progress(partial, fingerprint)
-    with Workers(settings.workers or default_workers()) as workers:  # one pool counts the sample, then encodes
-        tokenizer, sample, first_pass = _tokenizer(partial, saved, source, val_source, settings, tokenizer, workers)
-        return _write_shards(partial, source, val_source, settings, tokenizer, fingerprint, on_progress, workers,
-                             saved, sample, first_pass)
+    try:
+        with Workers(settings.workers or default_workers()) as workers:  # one pool counts the sample, then encodes
+            tokenizer, sample, first_pass = _tokenizer(partial, saved, source, val_source, settings, tokenizer,
+                                                       workers)
+            return _write_shards(partial, source, val_source, settings, tokenizer, fingerprint, on_progress, workers,
+                                 saved, sample, first_pass)
+    finally:
+        (partial / READ_FILE).unlink(missing_ok=True)
 
 
 def _write_shards(partial: Path, source: Source, val_source: Source | None, settings: DataConfig,
@@ -127,8 +135,10 @@ def _tokenizer(partial: Path, saved: dict | None, source: Source, val_source: So
     sample = first_pass = None
     if tokenizer is None:
         reader = DocumentReader(settings)
-        texts = TrainSample(corpus_items(source, val_source, settings, reader), settings.tokenizer_sample_bytes)
-        if next(iter(texts), None) is None:
+        once = tokenizers.KINDS[settings.tokenizer].learns_from_counts  # one pass: the sample is never held whole
+        texts = TrainSample(corpus_items(source, val_source, settings, reader), settings.tokenizer_sample_bytes,
+                            keep=not once, spill=partial / READ_FILE)
+        if texts.empty():
             raise _empty(settings, reader, held_out=texts.read is None or bool(texts.read))
         tokenizer = trained_tokenizer(settings, texts, workers)  # its pieces counted as the sample is read
         texts.finish()
@@ -156,7 +166,7 @@ def trained_tokenizer(settings: DataConfig, texts: Iterable[str], workers: Worke
 def _trained(settings: DataConfig, texts: Iterable[str], count: Callable) -> Tokenizer:
     tokenizer = tokenizers.train_tokenizer(settings.tokenizer, texts, settings.vocab_size, count=count)
     if settings.vocab_size is not None and tokenizer.vocab_size < settings.vocab_size:
-        text_bytes = sum(len(text.encode("utf-8")) for text in texts)
+        text_bytes = texts.bytes if isinstance(texts, TrainSample) else sum(len(text.encode("utf-8")) for text in texts)
         warnings.warn(f"data.vocab_size={settings.vocab_size:,} is more than the {settings.tokenizer} tokenizer can "
                       f"learn from its {text_bytes:,} bytes of training text: it has {tokenizer.vocab_size:,} ids, "
                       "and the tokens, meta.json and the model use that size", stacklevel=4)

@@ -38,8 +38,12 @@ class PieceTally:
         self.counts.update(split(compile_split_pattern(self.pattern), document))
 
     def result(self, parts: int = 1) -> list[Words]:
-        """The pieces counted, cut into `parts` shares (`Words.shares`)."""
-        return Words.of(self.counts).shares(parts)
+        """The pieces counted, cut into `parts` shares (`Words.shares`). The tally gives its result
+        once: it lets its counts go as they become words, so that they are never held twice."""
+        counts, self.counts = self.counts, Counter()
+        words = Words.of(counts)
+        del counts
+        return words.shares(parts)
 
     def joined(self, shares: Sequence[Words]) -> Words:
         """Shares of the same part from several tallies, added up."""
@@ -59,10 +63,11 @@ class Words:
         """The words of `counts` (strings as UTF-8), the empty one left out."""
         words = list(counts)
         if words and isinstance(words[0], str):
-            words = _utf8_all(words)
-        lengths = np.fromiter(map(len, words), np.int64, len(words))
+            text, lengths = _utf8_joined(words)
+        else:
+            text, lengths = b"".join(words), np.fromiter(map(len, words), np.int64, len(words))
         kept = lengths > 0
-        return cls(b"".join(words), lengths[kept], np.fromiter(counts.values(), np.int64, len(words))[kept])
+        return cls(text, lengths[kept], np.fromiter(counts.values(), np.int64, len(words))[kept])
 
     @classmethod
     def joined(cls, parts: Sequence[Words]) -> Words:
@@ -92,7 +97,7 @@ class Words:
         text = np.frombuffer(self.text, np.uint8)
         starts = np.cumsum(self.lengths) - self.lengths
         share = np.add.reduceat(text, starts, dtype=np.int64) % parts if len(self) else np.zeros(0, np.int64)
-        in_share = np.repeat(share, self.lengths)
+        in_share = np.repeat(share.astype(np.uint16 if parts <= 1 << 16 else np.int64), self.lengths)  # one per byte
         return [Words(text[in_share == k].tobytes(), self.lengths[share == k], self.counts[share == k])
                 for k in range(parts)]
 
@@ -103,11 +108,19 @@ class Words:
         return len(self.lengths)
 
 
-def _utf8_all(texts: list[str]) -> list[bytes]:
+def _utf8_joined(texts: list[str]) -> tuple[bytes, np.ndarray]:
+    """The UTF-8 of the texts one after the other, and the bytes of each (no bytes object per text)."""
+    joined = "".join(texts)
     try:
-        return [text.encode("utf-8") for text in texts]
+        text = joined.encode("utf-8")
     except UnicodeEncodeError:
-        return [_utf8(text) for text in texts]  # says which character cannot be encoded
+        for piece in texts:
+            _utf8(piece)  # says which character cannot be encoded
+        raise
+    if len(text) == len(joined):  # ASCII: a byte per character
+        return text, np.fromiter(map(len, texts), np.int64, len(texts))
+    return text, np.fromiter((len(piece) if piece.isascii() else len(piece.encode("utf-8")) for piece in texts),
+                             np.int64, len(texts))
 
 
 def learn_merges(words: Words, max_tokens: int) -> tuple[list[bytes], list[tuple[int, int]]]:
