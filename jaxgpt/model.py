@@ -440,7 +440,7 @@ def param_layout(model: GPT | GPTConfig):
     the params' tree: what shardings, groups, Muon's axes and the quantisation derive from.
     Nothing is computed (jax.eval_shape of Flax's init); refused for an undeclared parameter."""
     model = GPT(model) if isinstance(model, GPTConfig) else model
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((1, model.cfg.block_size), jnp.int32)  # a whole row, as training's init: any kernel
     declared = jax.eval_shape(lambda t: nn.Module.init(model, jax.random.key(0), t)["params"], tokens)
     layout.check(declared)
     return declared

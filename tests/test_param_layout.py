@@ -169,3 +169,14 @@ def test_the_deeper_ffn_layers_split_like_the_first():
                                                                              ("mlp_in", "mlp")]
     assert jax.tree.leaves(GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))[0].__class__ is not \
         layout.Declared  # init gives plain arrays
+
+
+def test_the_declarations_are_read_whatever_kernel_computes_the_model():
+    """The layout is traced on a whole row, as training's init is: the TPU flash kernel's blocks
+    of 128 queries are not asked to fit one token (the compile of GPT-2 for a TPU slice)."""
+    from jaxgpt.config import ComputeConfig
+
+    cfg = GPTConfig(**dict(BASE, block_size=256))
+    flash = param_layout(GPT(cfg, ComputeConfig(kernel="flash")))
+    assert jax.tree.map(lambda leaf: leaf.names, flash, is_leaf=layout.is_declared) == \
+        jax.tree.map(lambda leaf: leaf.names, param_layout(cfg), is_leaf=layout.is_declared)
