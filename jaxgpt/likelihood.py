@@ -11,15 +11,17 @@ every document but the first), log p(t) = Σ_j log p(t_j | p, t_{<j}) over the w
 `jaxgpt.data.eval_batch`: block_size tokens each, `stride` after the last, every target
 counted once, exactly as `jaxgpt.evaluation` counts a text's loss.
 
-Every request becomes a row (inputs, targets, mask). Rows are sorted by length, put in batches
-of `batch_size` (the last one filled with empty rows) and padded to a `bucket` (a power of two up
-to block_size/8, then multiples of it), so that a task compiles a handful of programs, one per
-bucket, however many requests and lengths it has.
+Continuations are scored through the KV cache when the attention is softmax (`score_cached`):
+each context is read once into the cache, read_width tokens a call, and each of its
+continuations (a multiple-choice item's choices) is read after a copy of its row, score_width
+tokens a call. Every call has one of two shapes, set by batch_size and block_size alone, so a
+task compiles two programs whatever its lengths, and they can be compiled (`prepare`) before
+the requests arrive.
 
-Continuations that share their context (a multiple-choice item's choices) are scored through
-the KV cache (`score_shared`): the context is read once, its cache copied to each of its
-continuations, which are then read after it. The same log-probabilities, the context's work
-done once instead of once per choice.
+Otherwise (texts, and continuations under another attention form) every request becomes a row
+(inputs, targets, mask). Rows are sorted by length, put in batches of `batch_size` (the last
+one filled with empty rows) and padded to a `bucket` (a power of two up to block_size/8, then
+multiples of it), so that a task compiles a handful of programs, one per bucket.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
 
 MIN_BUCKET = 16
+SCORE_WIDTH = 16  # the continuation tokens each call of the engine scores
 
 
 def prefix_id(tokenizer: Tokenizer) -> int:
@@ -140,100 +143,169 @@ def score_rows(model: GPT, params, rows: Sequence[Row], *, batch_size: int,
 def score_continuations(model: GPT, params, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                         batch_size: int, on_batch=None) -> list[tuple[float, bool]]:
     """(log p(c | x), greedy(c | x)) of each (context ids, continuation ids); an empty
-    continuation scores (0, True). Continuations that share a context and fit the block after
-    it go through `score_shared`; the others are rows of their own."""
+    continuation scores (0, True). With softmax attention every pair goes through the KV cache
+    (`score_cached`: the engine's two programs, whatever the lengths); with another form each
+    is a row of its own (`score_rows`)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
     block_size = model.cfg.block_size
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (x, c) in enumerate(pairs):
-        if len(c):
-            groups.setdefault(tuple(x), []).append(i)
-    shared = [g for x, g in groups.items() if len(g) > 1 and x and sharable(model, len(x), g, pairs)]
-    alone = sorted(set(range(len(pairs))) - {i for g in shared for i in g})
+    scored = [i for i, (_, c) in enumerate(pairs) if len(c)]
+    rows = [continuation_row(pairs[i][0], pairs[i][1], block_size) for i in scored]
+    if model.cfg.attention == "softmax":
+        requests = [(np.concatenate([row.inputs, row.targets[-1:]]), len(row.inputs) - int(row.mask.sum()))
+                    for row in rows]
+        scores = score_cached(model, params, requests, batch_size=batch_size, on_batch=on_batch)
+    else:
+        scores = score_rows(model, params, rows, batch_size=batch_size, on_batch=on_batch)
     results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
-    rows = [continuation_row(pairs[i][0], pairs[i][1], block_size) for i in alone if len(pairs[i][1])]
-    scores = iter(score_rows(model, params, rows, batch_size=batch_size, on_batch=on_batch))
-    for i in alone:
-        if len(pairs[i][1]):
-            results[i] = next(scores)
-    if shared:
-        for group, group_scores in zip(shared, score_shared(model, params, pairs, shared, batch_size), strict=True):
-            for i, score in zip(group, group_scores, strict=True):
-                results[i] = score
+    for i, score in zip(scored, scores, strict=True):
+        results[i] = score
     return results
 
 
-def sharable(model: GPT, context_length: int, group: list[int], pairs) -> bool:
-    """Whether a group's context can be read once into a KV cache: softmax attention (whose
-    cache a padded read leaves usable), and the context and each continuation in the block."""
-    longest = max(len(pairs[i][1]) for i in group)
-    block_size = model.cfg.block_size
-    return (model.cfg.attention == "softmax"
-            and bucket(context_length, block_size) + bucket(longest, block_size) <= block_size)
+# --- the engine: contexts read once into a KV cache, continuations read after them ---------------
+
+
+def widths(block_size: int) -> tuple[int, int]:
+    """(read, score): the tokens of a context each call of the engine reads into the cache
+    (block_size/8, at least SCORE_WIDTH) and the tokens of a continuation each call scores."""
+    score = min(block_size, SCORE_WIDTH)
+    return min(block_size, max(score, block_size // 8)), score
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The two jitted programs of `score_cached`, for `rows` rows of a model's cache:
+    read(params, cache, tokens (rows, read_width), start (rows,)) → the cache with each row's
+    tokens written in slots start…; score(params, cache, source (rows,), tokens (rows,
+    score_width), start, targets, mask) → (the cache, Σ counted log-probs (rows,), all
+    counted targets greedy (rows,)), where row b first takes the cache's row source[b]."""
+
+    rows: int
+    read_width: int
+    score_width: int
+    read: Callable
+    score: Callable
 
 
 @functools.cache
-def _shared_scorer(model: GPT):
-    """The jitted (params, contexts (G, W), lengths (G,), continuations (G, K, M), mask) →
-    (Σ log-probs, all greedy) (G, K): each context read once into a KV cache, its K
-    continuations read after it from copies of that cache."""
+def engine(model: GPT, rows: int) -> Engine:
+    def read(params, cache, tokens, start):
+        return model.apply({"params": params}, tokens, cache.replace(index=start))[1]
 
-    def score(params, contexts, lengths, continuations, mask):
-        (groups, width), (_, k, m) = contexts.shape, continuations.shape
-        cache = init_cache(model.cfg, groups, width + m)
-        logits, cache = model.apply({"params": params}, contexts, cache)
-        first = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)  # (G, 1, V): predicts c_1
-        cache = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), cache.replace(index=lengths))
-        rows = continuations.reshape(groups * k, m)
-        after, _ = model.apply({"params": params}, rows, cache)  # row j predicts c_{j+2}
-        logits = jnp.concatenate([jnp.repeat(first, k, axis=0), after[:, :-1]], axis=1).astype(jnp.float32)
-        picked = jnp.take_along_axis(logits, rows[..., None], axis=-1)[..., 0]
-        logprobs, counted = picked - jax.nn.logsumexp(logits, axis=-1), mask.reshape(groups * k, m)
-        greedy = jnp.all((jnp.argmax(logits, axis=-1) == rows) | ~counted, axis=-1)
-        return jnp.sum(jnp.where(counted, logprobs, 0.0), axis=-1).reshape(groups, k), greedy.reshape(groups, k)
+    def score(params, cache, source, tokens, start, targets, mask):
+        cache = jax.tree.map(lambda rows_of: rows_of[source], cache)  # each continuation after its context
+        logits, cache = model.apply({"params": params}, tokens, cache.replace(index=start))
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
+        greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~mask, axis=-1)
+        return cache, jnp.sum(jnp.where(mask, logprobs, 0.0), axis=-1), greedy
 
-    return jax.jit(score)
+    read_width, score_width = widths(model.cfg.block_size)
+    # the read's cache is given up to its result: a context's slots are written in place
+    return Engine(rows, read_width, score_width, jax.jit(read, donate_argnums=1), jax.jit(score))
 
 
-def score_shared(model: GPT, params, pairs, groups: list[list[int]], batch_size: int) -> list[list[tuple[float, bool]]]:
-    """The scores of each group's continuations (all of one context), batch_size continuations
-    to a batch: max(1, batch_size // K) groups of up to K (the largest group's size)."""
-    k = max(len(g) for g in groups)
-    per_batch, block_size, scorer = max(1, batch_size // k), model.cfg.block_size, _shared_scorer(model)
-    order = sorted(range(len(groups)), key=lambda g: -len(pairs[groups[g][0]][0]))
-    chunks = [order[start:start + per_batch] for start in range(0, len(order), per_batch)]
-    chunks = [part for chunk in chunks for part in _within_block(chunk, groups, pairs, block_size)]
-    pending = []
-    for chunk_order in chunks:
-        chunk = [groups[g] for g in chunk_order]
-        width, m = _widths(chunk, pairs, block_size)
-        contexts, lengths = np.zeros((per_batch, width), np.int32), np.ones(per_batch, np.int32)
-        continuations, mask = np.zeros((per_batch, k, m), np.int32), np.zeros((per_batch, k, m), bool)
-        for b, g in enumerate(chunk):
-            context = pairs[g[0]][0]
-            contexts[b, :len(context)], lengths[b] = context, len(context)
-            for j, i in enumerate(g):
-                c = pairs[i][1]
-                continuations[b, j, :len(c)], mask[b, j, :len(c)] = c, True
-        pending.append(scorer(params, contexts, lengths, continuations, mask))
-    results: list[list[tuple[float, bool]]] = [[] for _ in groups]
-    for chunk_order, (sums, greedy) in zip(chunks, jax.device_get(pending), strict=True):
-        for b, g in enumerate(chunk_order):
-            results[g] = [(float(sums[b, j]), bool(greedy[b, j])) for j in range(len(groups[g]))]
+def prepare(model: GPT, params, batch_size: int) -> None:
+    """Compile the engine's programs for batch_size rows and run each once (on nothing that
+    counts), so that the first requests find them ready: a caller can do this while it waits
+    for something else (the harness, while it builds its tasks). Nothing to do for a model
+    whose attention is not softmax."""
+    if model.cfg.attention != "softmax":
+        return
+    programs, zeros = engine(model, batch_size), functools.partial(np.zeros, dtype=np.int32)
+    rows, cache = programs.rows, _empty_cache(model, params, programs.rows)
+    cache = programs.read(params, cache, zeros((rows, programs.read_width)), zeros(rows))
+    width = programs.score_width
+    jax.block_until_ready(programs.score(params, cache, zeros(rows), zeros((rows, width)), zeros(rows),
+                                         zeros((rows, width)), np.zeros((rows, width), bool)))
+
+
+def score_cached(model: GPT, params, requests: Sequence[tuple[np.ndarray, int]], *, batch_size: int,
+                 on_batch=None) -> list[tuple[float, bool]]:
+    """(Σ log p, all greedy) of each request (tokens s, prefix p): s[:p] is a context read into
+    the KV cache, s[p+1:] the continuation counted after it (s: at most block_size + 1 tokens).
+    Requests with the same context share it: batch_size contexts are read at a time, longest
+    first, then their continuations, batch_size to a call, each after a copy of its context's
+    cache row. Every call has one of two shapes (`engine`), so a task compiles two programs."""
+    programs = engine(model, batch_size)
+    groups: dict[bytes, list[int]] = {}
+    for i, (tokens, prefix) in enumerate(requests):
+        groups.setdefault(tokens[:prefix].tobytes(), []).append(i)
+    order = sorted(groups.values(), key=lambda g: -requests[g[0]][1])
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    total, done = sum(-(-sum(map(len, batch)) // batch_size) for batch in batches), 0
+    cache, pending = _empty_cache(model, params, batch_size), []
+    for batch in batches:
+        cache = _read_contexts(programs, params, cache, [requests[g[0]] for g in batch])
+        lanes = sorted(((row, i) for row, group in enumerate(batch) for i in group),
+                       key=lambda lane: -_counted(requests[lane[1]]))
+        for start in range(0, len(lanes), batch_size):
+            part = lanes[start:start + batch_size]
+            pending.append(([i for _, i in part], _score_lanes(programs, params, cache, part, requests)))
+            done += 1
+            if on_batch:
+                on_batch(done, total)
+    results = [(0.0, True)] * len(requests)
+    for indices, calls in jax.device_get(pending):
+        for b, i in enumerate(indices):
+            results[i] = (sum(float(sums[b]) for sums, _ in calls), all(bool(greedy[b]) for _, greedy in calls))
     return results
 
 
-def _widths(chunk: list[list[int]], pairs, block_size: int) -> tuple[int, int]:
-    """The buckets of a batch's longest context and longest continuation."""
-    return (bucket(max(len(pairs[g[0]][0]) for g in chunk), block_size),
-            bucket(max(len(pairs[i][1]) for g in chunk for i in g), block_size))
+def _empty_cache(model: GPT, params, rows: int):
+    """An empty cache whose every array is a buffer of its own (the read gives its cache up), on
+    the device of the params, as the caches the programs return are: the programs compile once."""
+    cache = jax.tree.map(jnp.copy, init_cache(model.cfg, rows))
+    devices = {device for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array) for device in leaf.devices()}
+    return jax.device_put(cache, devices.pop()) if len(devices) == 1 else cache
 
 
-def _within_block(chunk: list[int], groups, pairs, block_size: int) -> list[list[int]]:
-    """The batch, or, when its widest context and widest continuation together pass the block,
-    each of its groups alone (each fits: `sharable`)."""
-    if sum(_widths([groups[g] for g in chunk], pairs, block_size)) <= block_size:
-        return [chunk]
-    return [[g] for g in chunk]
+def _counted(request: tuple[np.ndarray, int]) -> int:
+    tokens, prefix = request
+    return len(tokens) - 1 - prefix
+
+
+def _read_contexts(programs: Engine, params, cache, contexts: list[tuple[np.ndarray, int]]):
+    """The cache with each context s[:p] written in its row's slots 0…p−1, read_width tokens a
+    call. A row that has read its context reads its last window again (the same keys and
+    values in the same slots); the slots past a context hold what no later query attends to
+    (a slot is attended only by later positions, which write it first)."""
+    width = programs.read_width
+    for step in range(-(-max(prefix for _, prefix in contexts) // width)):
+        tokens, start = np.zeros((programs.rows, width), np.int32), np.zeros(programs.rows, np.int32)
+        for row, (sequence, prefix) in enumerate(contexts):
+            start[row] = first = min(step * width, max(0, prefix - width))
+            window = sequence[first:min(first + width, prefix)]
+            tokens[row, :len(window)] = window
+        cache = programs.read(params, cache, tokens, start)
+    return cache
+
+
+def _score_lanes(programs: Engine, params, cache, lanes: list[tuple[int, int]], requests) -> list:
+    """The (sums, greedy) of each call that scores these lanes (context row, request index),
+    score_width counted targets a call; each window stays within the block (the last one of
+    a long lane starts earlier and reads again what its cache holds)."""
+    width, block_size, rows = programs.score_width, cache.max_length, programs.rows
+    source = np.zeros(rows, np.int32)
+    source[:len(lanes)] = [row for row, _ in lanes]
+    calls = []
+    for step in range(-(-max(_counted(requests[i]) for _, i in lanes) // width)):
+        tokens, targets = np.zeros((2, rows, width), np.int32)
+        mask, start = np.zeros((rows, width), bool), np.zeros(rows, np.int32)
+        for b, (_, i) in enumerate(lanes):
+            sequence, prefix = requests[i]
+            end = len(sequence) - 1  # the inputs are sequence[:end], position p predicting sequence[p + 1]
+            low = prefix + min(step, max(0, -(-(end - prefix) // width) - 1)) * width
+            start[b] = first = min(low, block_size - width)
+            window = sequence[first:min(first + width, end) + 1]
+            tokens[b, :len(window) - 1], targets[b, :len(window) - 1] = window[:-1], window[1:]
+            positions = first + np.arange(width)
+            mask[b] = (positions >= max(low, prefix + step * width)) & (positions < end)
+        cache, sums, greedy = programs.score(params, cache, source, tokens, start, targets, mask)
+        source = np.arange(rows, dtype=np.int32)  # later windows go on from the lanes' own caches
+        calls.append((sums, greedy))
+    return calls
 
 
 def score_texts(model: GPT, params, texts: Sequence[Sequence[int]], *, batch_size: int, stride: int | None = None,

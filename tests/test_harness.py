@@ -1,19 +1,24 @@
 """jaxgpt as a model of the lm-evaluation-harness (the eval extra), checked against the harness's
 own transformers backend (`--model hf`) on the GPT-2 export of the same run: the per-request
 log-likelihoods, the accuracies and the greedy generations of the local tasks in
-tests/data/harness; loglikelihood_rolling against eval.py; eval.py --choices against the harness;
-every tokenizer kind; bad model_args; the command line."""
+tests/data/harness; the KV-cache engine against float64 scores of each request alone, its two
+programs compiled ahead; loglikelihood_rolling against eval.py; eval.py --choices against the
+harness; every tokenizer kind; bad model_args, found before the harness builds its tasks; the
+command line."""
 
 import json
 import logging
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from scripts import load_script
+from test_choices import float64_score
 from test_model import random_params
 
 from jaxgpt import GPTConfig, export, likelihood, rundir, tokenizers
@@ -168,9 +173,56 @@ def test_eval_py_choices_gives_the_harness_accuracies(results, gpt2_run, tmp_pat
                                atol=1e-5, rtol=0)
 
 
-def test_a_task_compiles_one_scoring_program_per_length_bucket(results, gpt2_run):
+def test_a_task_compiles_two_scoring_programs_whatever_its_lengths(results, gpt2_run):
+    """The choices (contexts and continuations of many lengths) go through the engine's read and score, one
+    program each; the rolling texts through one program per length bucket."""
     cfg = rundir.read_run(gpt2_run[0])[1]
+    programs = likelihood.engine(GPT(cfg), BATCH)
+    assert (programs.read._cache_size(), programs.score._cache_size()) == (1, 1)
     assert likelihood._scorer(GPT(cfg))._cache_size() <= 3  # buckets 16, 32, 64
+
+
+# --- the KV-cache engine ------------------------------------------------------------------------------
+
+
+def engine_cases(rng, block_size: int) -> list[tuple[list[int], list[int]]]:
+    """Contexts of 1 token to past the block (cut from the left), continuations of 1 token to the whole
+    block, sharing contexts in groups of different sizes, and an empty continuation."""
+    contexts = [list(rng.integers(0, VOCAB, n)) for n in (1, 3, 17, 30, block_size - 1, block_size + 20)]
+    pairs = [(x, list(rng.integers(0, VOCAB, m))) for k, x in enumerate(contexts)
+             for m in (1, 5, 16, 17, 33, block_size)[:2 + k]]
+    return [*pairs, (contexts[2], [])]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_the_engine_scores_each_request_as_float64_alone(batch_size):
+    """Contexts read read_width tokens a call, continuations scored 16 a call after copies of them, the
+    windows past the block's end moved back into it: the scores and greedy flags of each (context,
+    continuation) read alone in float64 NumPy."""
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=48, n_layer=2, n_head=2, d_model=32, d_ff=64, positions="rope")
+    params = random_params(cfg)
+    pairs = engine_cases(np.random.default_rng(batch_size), cfg.block_size)
+    assert likelihood.widths(cfg.block_size) == (16, 16)
+    scores = likelihood.score_continuations(GPT(cfg), params, pairs, batch_size=batch_size)
+    expected = [float64_score(cfg, params, x, c) if c else (0.0, True) for x, c in pairs]
+    np.testing.assert_allclose([s for s, _ in scores], [s for s, _ in expected], rtol=1e-5, atol=1e-4)
+    assert [g for _, g in scores] == [g for _, g in expected]
+    assert scores[-1] == (0.0, True) and min(s for s, _ in scores[:-1]) < -100  # long continuations count
+
+
+def test_prepared_programs_serve_every_length_without_compiling():
+    """prepare compiles the two programs (and runs each once); requests of any length then compile nothing."""
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=2, d_model=32, d_ff=64)
+    params, model = random_params(cfg), GPT(cfg)
+    likelihood.prepare(model, params, 5)
+    programs = likelihood.engine(model, 5)
+    sizes = (programs.read._cache_size(), programs.score._cache_size())
+    assert sizes == (1, 1)
+    pairs = engine_cases(np.random.default_rng(0), cfg.block_size)
+    done = []
+    likelihood.score_continuations(model, params, pairs, batch_size=5, on_batch=lambda d, t: done.append((d, t)))
+    assert (programs.read._cache_size(), programs.score._cache_size()) == sizes
+    assert done == [(d, done[-1][1]) for d in range(1, done[-1][1] + 1)]  # each batch of continuations, in order
 
 
 # --- every tokenizer, text it cannot encode ---------------------------------------------------------
@@ -237,14 +289,57 @@ def local_tasks_only(monkeypatch):
         self, *args, include_defaults=False, **kwargs))
 
 
-def test_the_command_line_says_bad_model_args_in_one_line(gpt2_run, in_root, local_tasks_only, capsys):
+def harness_process(model_args: str, *options: str) -> subprocess.CompletedProcess:
+    """`python -X importtime -m jaxgpt.harness --model jaxgpt …` on the local choices task, in the
+    repository's root: stderr names every module the process imported ("import time: … | name")."""
+    command = [sys.executable, "-X", "importtime", "-m", "jaxgpt.harness", "--model", "jaxgpt", "--model_args",
+               model_args, "--tasks", "jaxgpt_choices", "--include_path", TASK_DIR, *options]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+
+
+def imported(stderr: str) -> set[str]:
+    return {line.rsplit("|", 1)[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+def said(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if not line.startswith("import time:")]
+
+
+@pytest.mark.parametrize("model_args, message", [
+    ("run_dir={run}/nowhere", "model_args run_dir={run}/nowhere: run directory {run}/nowhere does not exist: pass "
+                              "the directory a training run wrote"),
+    ("run_dir={run},temperature=0.5", "model_args temperature: jaxgpt takes run_dir, step, batch_size, stride, seed "
+                                      "(run_dir=RUN is required)"),
+    ("run_dir={run},batch_size=abc", "batch_size='abc': must be a positive integer (or auto: 16)"),
+    ("step=3", "model_args needs run_dir=RUN, the directory a jaxgpt training run wrote"),
+])
+def test_the_command_line_says_bad_model_args_before_it_imports_the_tasks_or_jax(gpt2_run, model_args, message):
+    """The only line on stderr is the error, and the process ends before it imports the harness's tasks
+    (whose index of the built-in tasks takes seconds) or JAX: the harness's parser has read the line."""
     run, _ = gpt2_run
-    status = load_module_main()(["--model", "jaxgpt", "--model_args", f"run_dir={run},step=7", "--tasks",
-                                 "jaxgpt_choices", "--include_path", TASK_DIR])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2
-    assert err[-1] == f"jaxgpt.harness: error: model_args step=7: no checkpoint at step 7 in {run}/checkpoints: the " \
-                      "steps there are 5"
+    out = harness_process(model_args.format(run=run))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert said(out.stderr) == [f"jaxgpt.harness: error: {message.format(run=run)}"]
+    modules = imported(out.stderr)
+    assert "lm_eval._cli.run" in modules  # the check can fail: the names of what was imported are there
+    assert not {"lm_eval.tasks", "lm_eval.evaluator", "jax"} & modules
+
+
+@pytest.mark.parametrize("model_args, message", [
+    ("run_dir={run},step=7", "model_args step=7: no checkpoint at step 7 in {run}/checkpoints: the steps there are "
+                             "5"),
+    ("run_dir={run},stride=65", "model_args stride=65: must be at most the model's block_size=64"),
+])
+def test_the_command_line_says_a_run_that_cannot_load_before_it_builds_the_tasks(gpt2_run, model_args, message):
+    """The run loads on its own thread while the harness indexes its tasks: its error ends the command in
+    one line, whether it interrupts the indexing or the model finds it; the tasks are never built."""
+    run, _ = gpt2_run
+    out = harness_process(model_args.format(run=run))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert said(out.stderr)[-1] == f"jaxgpt.harness: error: {message.format(run=run)}"
+    assert "Building contexts" not in out.stderr  # what the harness logs as it builds a task's requests
+    assert "Traceback" not in out.stderr and "KeyboardInterrupt" not in out.stderr
 
 
 def test_the_command_line_evaluates_a_run_on_a_local_task(gpt2_run, in_root, local_tasks_only, capsys):

@@ -1,9 +1,13 @@
 """The harness's command line with jaxgpt's model registered:
 python -m jaxgpt.harness [run] --model jaxgpt --model_args run_dir=RUN[,step=N,batch_size=B] --tasks …
 
-Every argument is the harness's own (`lm_eval run --help`); this only imports jaxgpt.harness first,
-which registers "jaxgpt" (lm_eval 0.4 finds models by name only in its own registry). Bad
-model_args, and an error the harness raises for its input, are one line on stderr and status 2.
+Every argument is the harness's own (`lm_eval run --help`); importing jaxgpt.harness registers
+"jaxgpt" (lm_eval 0.4 finds models by name only in its own registry). For --model jaxgpt the
+model_args are checked first, before the harness is imported or its tasks indexed, and the run
+then loads and its scoring programs compile (`jaxgpt.harness.preload`) while the harness builds
+its tasks; compiled programs are kept on disk (jaxgpt.sharding.use_compilation_cache: 'auto'),
+so a second run loads them. Bad model_args, a run that cannot be loaded, and an error the harness
+raises for its input, are one line on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -19,19 +23,48 @@ def main(argv: list[str] | None = None) -> int:
     tidy_cli_output()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     try:
-        from lm_eval.__main__ import cli_evaluate
-
-        import jaxgpt.harness  # noqa: F401  registers "jaxgpt"
+        from jaxgpt.harness import args
     except ImportError as err:
         print(f"jaxgpt.harness: error: {one_line(err)}: install the harness with pip install -e '.[eval]'",
               file=sys.stderr)
         return 2
-    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]  # the harness's parser reads sys.argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        cli_evaluate()
+        return evaluate(args.from_command_line(argv), argv)
     except (ValueError, FileNotFoundError, KeyError) as err:
         print(f"jaxgpt.harness: error: {one_line(err)}", file=sys.stderr)
         return 2
+
+
+def evaluate(settings, argv: list[str]) -> int:
+    """The harness's command line, with the run of --model jaxgpt (settings, None for another
+    model) loading and compiling on its own thread meanwhile."""
+    from jaxgpt.harness import preload
+
+    background = None
+    try:
+        try:
+            if settings is not None:
+                background = preload.start(settings, compilation_cache="auto")
+            return run_harness(argv)
+        finally:
+            if background is not None:
+                preload.finish(background)
+    except KeyboardInterrupt:
+        if background is None or background.error is None:
+            raise
+        raise background.error from None  # the run failed to load: its thread interrupted the harness
+
+
+def run_harness(argv: list[str]) -> int:
+    from lm_eval.__main__ import cli_evaluate
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *argv]  # the harness's parser reads sys.argv
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
     return 0
 
 

@@ -20,29 +20,21 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import jax
-import lm_eval.models  # noqa: F401  the harness's own models, registered before ours (its lookup needs them then)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm.auto import tqdm
 
-from jaxgpt import likelihood, rundir
-from jaxgpt.checkpoint import CheckpointError
+from jaxgpt import likelihood
+from jaxgpt.harness import preload
+from jaxgpt.harness.args import DEFAULT_BATCH_SIZE, KNOWN, ModelArgsError, check_args, parse_batch_size
 from jaxgpt.harness.generation import generate_texts
-from jaxgpt.model import GPT
 
 log = logging.getLogger(__name__)
-DEFAULT_BATCH_SIZE = 16
 MAX_GEN_TOKS = 256  # the harness's default for a task that names none
-HARNESS_ARGS = ("max_batch_size", "device")  # what the harness passes every model: JAX chooses its own device
-KNOWN = ("run_dir", "step", "batch_size", "stride", "seed")
-
-
-class ModelArgsError(ValueError):
-    """model_args that name no usable run or setting; the message says what to give."""
+__all__ = ["DEFAULT_BATCH_SIZE", "KNOWN", "JaxGPT", "ModelArgsError"]
 
 
 @register_model("jaxgpt")
@@ -52,16 +44,16 @@ class JaxGPT(TemplateLM):
     def __init__(self, run_dir=None, step=None, batch_size=None, stride=None, seed=1234, **others):
         super().__init__()
         check_args(run_dir, step, stride, seed, others)
-        try:
-            self.params, self.config, self.text_tokenizer = rundir.load_run(run_dir, step=step)
-        except CheckpointError as err:
-            raise ModelArgsError(f"model_args step={step}: {err}") from None
-        except ValueError as err:
-            raise ModelArgsError(f"model_args run_dir={run_dir}: {err}") from None
-        self.model = GPT(self.config)
         self.batch_size = parse_batch_size(batch_size)
-        self.stride, self.seed = run_stride(run_dir, stride, self.config.block_size), seed
+        background = preload.take(run_dir, step, stride)  # the command line's, loaded while the tasks were indexed
+        if background is None:
+            background = preload.Background(self.batch_size, loaded=preload.load(run_dir, step, stride))
+        loaded = background.loaded()
+        self.params, self.config, self.text_tokenizer, self.model = (loaded.params, loaded.config, loaded.tokenizer,
+                                                                     loaded.model)
+        self.stride, self.seed = loaded.stride, seed
         self.unknown = likelihood.UnknownTally(self.text_tokenizer)
+        self._compiling = background  # the scoring programs compile while the harness builds its tasks
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict, additional_config=None):
@@ -104,11 +96,12 @@ class JaxGPT(TemplateLM):
         return results
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        self._compiling.wait()
         with tqdm(total=len(requests), disable=disable_tqdm, desc="jaxgpt loglikelihood") as bar:
             scores = likelihood.score_continuations(
                 self.model, self.params, [(context, continuation) for _, context, continuation in requests],
                 batch_size=self.batch_size, on_batch=lambda done, total: bar.update(
-                    min(len(requests), done * self.batch_size) - bar.n))
+                    len(requests) * done // total - bar.n))
         for (strings, _, _), answer in zip(requests, scores, strict=True):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, answer)
@@ -156,39 +149,3 @@ class JaxGPT(TemplateLM):
         message = self.unknown.message()
         if message:
             log.warning("jaxgpt: %s", message)
-
-
-def check_args(run_dir, step, stride, seed, others: dict) -> None:
-    """ModelArgsError for model_args jaxgpt cannot use."""
-    unknown = sorted(set(others) - set(HARNESS_ARGS))
-    if unknown:
-        raise ModelArgsError(f"model_args {', '.join(unknown)}: jaxgpt takes {', '.join(KNOWN)} "
-                             "(run_dir=RUN is required)")
-    if run_dir is None or run_dir == "":
-        raise ModelArgsError("model_args needs run_dir=RUN, the directory a jaxgpt training run wrote")
-    for name, value, least in (("step", step, 0), ("stride", stride, 1), ("seed", seed, 0)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-            raise ModelArgsError(f"model_args {name}={value!r}: must be an integer ≥ {least}")
-
-
-def run_stride(run_dir, stride: int | None, block_size: int) -> int | None:
-    """The stride of loglikelihood_rolling's windows: model_args', else the run's data.eval_stride."""
-    if stride is None:
-        saved = json.loads((Path(run_dir) / rundir.CONFIG_FILE).read_text(encoding="utf-8"))
-        stride = saved.get("data", {}).get("eval_stride")
-    if stride is not None and stride > block_size:
-        raise ModelArgsError(f"model_args stride={stride}: must be at most the model's block_size={block_size}")
-    return stride
-
-
-def parse_batch_size(value) -> int:
-    """An integer ≥ 1; None and the harness's 'auto' (which jaxgpt does not search) give DEFAULT_BATCH_SIZE."""
-    if value is None or (isinstance(value, str) and value.startswith("auto")):
-        return DEFAULT_BATCH_SIZE
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        size = 0
-    if size < 1 or isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ModelArgsError(f"batch_size={value!r}: must be a positive integer (or auto: {DEFAULT_BATCH_SIZE})")
-    return size
