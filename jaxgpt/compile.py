@@ -182,7 +182,7 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
     process's), built by the functions train.py uses."""
     import jax
 
-    from jaxgpt import preflight, run, sharding
+    from jaxgpt import opening, preflight, run, sharding
     from jaxgpt.config import TrainConfig
     from jaxgpt.model import GPT, flops_per_token, param_layout
     from jaxgpt.optim import make_optimizer
@@ -190,7 +190,7 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
 
     mesh = sharding.make_mesh(config.mesh, devices)
     platform = mesh.devices.flat[0].platform
-    cfg, compute = model_of(config), run.compute_config(config, platform)
+    cfg, compute = model_of(config), opening.compute_config(config, platform)
     train_cfg = TrainConfig.from_mapping(config.train)
     preflight.check_batch_sizes(train_cfg, mesh)
     gpt, packed = GPT(cfg, compute), config.data.format == "records"

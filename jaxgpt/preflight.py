@@ -1,4 +1,4 @@
-"""What a run is checked against before its first step (jaxgpt.run.open_run), so that nothing
+"""What a run is checked against before its first step (jaxgpt.opening.open_run), so that nothing
 impossible is found after the data is read, or after the last step:
 
     check_sections    the sample, data and mesh sections, and the batch sizes on the mesh

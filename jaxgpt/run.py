@@ -1,11 +1,12 @@
-"""A training run: its directory, the resume policy and the loop.
+"""A training run: the loop.
 
     python train.py  →  run.train(config):
-        open_run      the run directory, resume or not, the data, the model config, the mesh
-        init or restore the train state (a checkpoint, a GPT-2 checkpoint, or fresh)
+        open_run        the directory, the config, its checks, the mesh, the data (jaxgpt.opening)
+        init_or_restore the train state (a checkpoint, init_from's params, or fresh), while XLA
+                        compiles the train step
         for each step: train, log, evaluate, save          (stops cleanly on SIGINT/SIGTERM)
-        finish        the last checkpoint stands; say how to resume if stopped
-    write_sample      train.py's last act: the best model continues sample.prompt (sample.txt)
+        finish          the last checkpoint stands; say how to resume if stopped
+    write_sample        train.py's last act: the best model continues sample.prompt (sample.txt)
 
 A run directory holds everything about one run: config.json (the resolved config),
 tokenizer.json, checkpoints/, metrics.jsonl, and what the CLIs add (loss.png, sample.txt).
@@ -15,7 +16,6 @@ It alone is enough to resume (train.py with the same --config.run_dir) or to sam
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
 import sys
@@ -28,197 +28,26 @@ from typing import Any
 
 import jax
 from jax.sharding import Mesh
-from ml_collections import ConfigDict
 
-from jaxgpt import data, metrics, rundir, sharding
-from jaxgpt.checkpoint import Checkpoints, NonFiniteState, first_non_finite, tree_checksums
-from jaxgpt.config import ComputeConfig, GPTConfig, SampleConfig, TrainConfig
-from jaxgpt.errors import ConfigError, TrainingError, one_line
+from jaxgpt import data, metrics, sharding
+from jaxgpt.checkpoint import NonFiniteState, first_non_finite, tree_checksums
+from jaxgpt.config import SampleConfig, TrainConfig
+from jaxgpt.errors import TrainingError, one_line
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
-from jaxgpt.lock import LockHeld, RunLock
-from jaxgpt.model import GPT, flops_per_token, layers_as, param_layout
-from jaxgpt.model_config import check_kernel
+from jaxgpt.model import GPT, flops_per_token, param_layout
+from jaxgpt.opening import Run, compute_config, init_or_restore, model_config, open_run
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
-from jaxgpt.preflight import check_memory, check_sections, check_unknown, start_from
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
 from jaxgpt.sampling import SamplingOptions, generate
 from jaxgpt.text import encode_prompt
-from jaxgpt.training import TrainState, abstract_state, batch_fields, initialise_into, make_train_step, seeded
+from jaxgpt.training import TrainState, abstract_state, batch_fields, make_train_step, seeded
 
-__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "TrainingError", "load_run", "model_config", "open_run", "train",
-           "write_sample"]
-
-
-# --- the run directory ----------------------------------------------------------------------
+# open_run, init_or_restore, Run, compute_config and model_config are jaxgpt.opening's, named here too
+__all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "Run", "TrainingError", "compute_config", "init_or_restore", "load_run",
+           "model_config", "open_run", "train", "write_sample"]
 
 
-@dataclasses.dataclass
-class Run:
-    """What a run works with once its directory is open."""
-
-    config: ConfigDict  # as resolved: the model section holds the model's config
-    train: TrainConfig
-    model: GPTConfig  # what the model computes
-    compute: ComputeConfig  # how it runs here
-    directory: Path
-    corpus: data.Corpus
-    checkpoints: Checkpoints
-    resuming: bool
-    mesh: Mesh
-    lock: RunLock
-    layouts: dict[str, data.Layout] | None = None  # a records corpus's rows of examples, per split
-    saved_compute: ComputeConfig | None = None  # how the checkpoints were written, when resuming
-
-    @property
-    def gpt(self) -> GPT:
-        """The model as it runs here."""
-        return GPT(self.model, self.compute)
-
-    @property
-    def lead(self) -> bool:
-        """The process that writes the run directory's files."""
-        return jax.process_index() == 0
-
-
-def model_config(config, vocab_size: int) -> GPTConfig:
-    """The GPTConfig of a run: the config's model section, the vocabulary from the tokenizer."""
-    values = dict(config.model)
-    if not values["vocab_size"]:
-        values["vocab_size"] = vocab_size
-    elif values["vocab_size"] < vocab_size:
-        raise ValueError(f"model.vocab_size={values['vocab_size']} is smaller than the tokenizer's {vocab_size}")
-    return GPTConfig.from_dict(values)
-
-
-def compute_config(config, platform: str | None = None) -> ComputeConfig:
-    """The compute section on `platform` (default: here), its kernel checked for training: model_config.check_kernel."""
-    compute, platform = ComputeConfig.from_dict(dict(config.compute)), platform or jax.default_backend()
-    cfg, packed = model_config(config, vocab_size=1), config.data.format == "records"
-    try:
-        compute = compute.replace(kernel=check_kernel(compute.kernel, cfg, platform, dtype=compute.dtype,
-                                                      training=True, packed=packed))
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if compute.weights != "float":
-        raise ConfigError(f"compute.weights={compute.weights!r} is weight-only quantisation for inference (sample.py "
-                          "--weights int8): train with compute.weights='float'")
-    return compute
-
-
-def open_run(config, explicit: Collection[str] = ()) -> Run:
-    """Open (or start) the run directory of `config` and lock it for this process: decide
-    whether to resume, check every section of the config (jaxgpt.preflight), prepare the data,
-    fix the model config, write config.json and tokenizer.json, and make the mesh. `explicit`:
-    the dotted keys the user set (train.py's overrides), which init_from may not replace.
-    `train` releases the lock when the run ends."""
-    train_cfg = TrainConfig.from_mapping(config.train)
-    directory = make_run_dir(config.run_dir)
-    lock = RunLock(directory)
-    if jax.process_index() == 0:  # one lock per run, however many processes share it
-        note = _acquire(lock)
-        if note:
-            print(f"jaxgpt: {note}", file=sys.stderr)
-    try:
-        return _open_locked(config, train_cfg, directory, lock, explicit)
-    except BaseException:
-        lock.release()
-        raise
-
-
-def make_run_dir(run_dir: str) -> Path:
-    """The run directory, made if needed; a one-line ConfigError when it cannot be."""
-    directory = Path(run_dir)
-    if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"run_dir={run_dir!r} is a file, not a directory: choose another --config.run_dir")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"cannot make run_dir={run_dir!r} ({error.strerror}): choose another --config.run_dir") \
-            from None
-    return directory
-
-
-def check_config(config, explicit: Collection[str] = ()) -> tuple[Any, Any, Mesh, ComputeConfig]:
-    """(the config as the run uses it, init_from's tokenizer or None, the mesh, the compute
-    settings) once every check that needs no data has passed: init_from fixes the architecture
-    and the tokenizer (refusing a key of `explicit` it replaces), then every section is checked
-    before the data is read; the model's vocabulary comes with the tokenizer."""
-    config, tokenizer = start_from(config, explicit)
-    mesh = check_sections(config, TrainConfig.from_mapping(config.train))
-    model_config(config, vocab_size=1)
-    return config, tokenizer, mesh, compute_config(config)
-
-
-def _acquire(lock: RunLock) -> str | None:
-    try:
-        return lock.acquire()
-    except LockHeld as error:
-        raise TrainingError(str(error)) from None
-    except OSError as error:  # a read-only file system, a directory without write permission
-        raise ConfigError(f"cannot write in run_dir {lock.path.parent} ({error.strerror}): choose a writable "
-                          "--config.run_dir") from None
-
-
-def _open_locked(config, train_cfg: TrainConfig, directory: Path, lock: RunLock, explicit: Collection[str]) -> Run:
-    checkpoints = Checkpoints(directory, keep=train_cfg.keep_checkpoints, async_save=train_cfg.async_checkpoints)
-    resuming = rundir.resume_policy(config.resume, checkpoints)
-    config, tokenizer, mesh, compute = check_config(config, explicit)
-    corpus = data.prepare(config.data, tokenizer=tokenizer)
-    if len(corpus.val) < 2:
-        raise ValueError(f"the validation split of {config.data.source!r} is empty: raise data.val_fraction "
-                         "or give data.val_source")
-    check_unknown(config, corpus)
-    cfg = model_config(config, corpus.tokenizer.vocab_size)
-    check_memory(cfg, compute, train_cfg)
-    saved_compute = rundir.check_same_run(directory, cfg, compute, corpus.tokenizer, train_cfg) if resuming else None
-    resolved = {**config.to_dict(), "model": cfg.to_dict(), "compute": compute.to_dict(),
-                "tokenizer_sha256": data.tokenizer_hash(corpus.tokenizer)}
-    if jax.process_index() == 0:
-        if max(checkpoints.steps(), default=0) <= train_cfg.steps:  # a run past its steps keeps its own record
-            rundir.write_config(directory, resolved, max(checkpoints.steps()) if resuming else None)
-        if not (directory / TOKENIZER_FILE).exists():  # pinned from the first step on: never rewritten
-            corpus.tokenizer.save(directory / TOKENIZER_FILE)
-    layouts = None
-    if corpus.records:  # every example must fit (or be cut to) a row before the first step
-        records = config.data.records
-        layouts = {split: data.plan(corpus.examples[split], cfg.block_size, records.packing, records.truncate)
-                   for split in ("train", "val")}
-    return Run(ConfigDict(resolved), train_cfg, cfg, compute, directory, corpus, checkpoints, resuming, mesh, lock,
-               layouts, saved_compute)
-
-
-# --- the state ------------------------------------------------------------------------------
-
-
-def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None) -> tuple[TrainState, TrainState, int]:
-    """(state, its shardings, the step to start at): restored from the newest intact
-    checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from).
-    `key` is a PRNG key or an integer seed; `abstract` the state's abstract_state, when the
-    caller has it already."""
-    abstract = abstract_state(run.gpt, optimizer, run.mesh) if abstract is None else abstract
-    shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    if run.resuming:  # restored onto the shapes and shardings alone: nothing is initialised first
-        state, step = _restore(run, abstract)
-        return state, shardings, step
-    state = initialise_into(run.gpt, optimizer, key, shardings)
-    if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
-        state = state.replace(params=rundir.init_params_from(run.config.init_from, run.model, run.compute,
-                                                             shardings.params))
-    return state, shardings, 0
-
-
-def _restore(run: Run, abstract: TrainState) -> tuple[TrainState, int]:
-    """The newest intact checkpoint, onto `abstract`'s shapes, dtypes and shardings; one written in the other
-    layer layout (compute.scan_layers) is restored in its own, then converted (model.layers_as) and placed."""
-    saved = run.saved_compute
-    if saved is None or saved.scan_layers == run.compute.scan_layers:
-        restored, step = run.checkpoints.restore(abstract.to_dict())
-        return TrainState.from_dict(restored), step
-    written = GPT(run.model, run.compute.replace(scan_layers=saved.scan_layers))
-    written_state = abstract_state(written, make_optimizer(run.train, param_layout(written)), run.mesh)
-    restored, step = run.checkpoints.restore(written_state.to_dict())
-    shardings = jax.tree.map(lambda a: a.sharding, abstract.to_dict())
-    return TrainState.from_dict(jax.device_put(layers_as(restored, run.compute.scan_layers), shardings)), step
+# --- the step and its batches --------------------------------------------------------------
 
 
 def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, abstract: TrainState, packed: bool):

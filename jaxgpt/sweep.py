@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxgpt import metrics, run, sharding
+from jaxgpt import metrics, opening, run, sharding
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.cli import overridden_keys, parse_config
 from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
@@ -187,9 +187,9 @@ def _parsed(config_argv: list[str], overrides: list[str]) -> tuple[Any, str | No
 
 
 def _checked(config, explicit_keys: list[str]) -> str | None:
-    """Why run.check_config refuses `config`, or None."""
+    """Why opening.check_config refuses `config`, or None."""
     try:
-        run.check_config(config, explicit_keys)
+        opening.check_config(config, explicit_keys)
     except RUN_ERRORS as error:
         return one_line(error, limit=2000)
     return None
@@ -220,7 +220,7 @@ def _tidy(reason: str, config_argv: list[str]) -> str:
 
 
 def check_cells(plan: list[Cell], config_argv: list[str]) -> None:
-    """Every check a run makes before it reads its data, for each cell (run.check_config: the
+    """Every check a run makes before it reads its data, for each cell (opening.check_config: the
     config schema, init_from and the mesh); then a ConfigError when an ablation (or the baseline)
     is refused, a grid value is refused in every cell that has it, or two cells are one run:
     nothing is trained then."""

@@ -13,7 +13,7 @@ from jaxgpt.config import default_config
 from jaxgpt.errors import ConfigError
 from jaxgpt.model import CausalSelfAttention
 from jaxgpt.model_config import ComputeConfig, GPTConfig, check_kernel, needs
-from jaxgpt.run import compute_config
+from jaxgpt.opening import compute_config
 
 
 def tiny(**changes) -> GPTConfig:
@@ -34,7 +34,7 @@ def test_auto_in_training_with_attention_dropout_picks_a_kernel_that_applies_it(
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 def test_a_run_with_dropout_resolves_auto_to_a_kernel_that_applies_it(platform):
-    """run.compute_config, which train.py and jaxgpt.compile call for the devices they compile for."""
+    """opening.compute_config, which train.py and jaxgpt.compile call for the devices they compile for."""
     config = default_config()
     config.model.dropout, config.compute.kernel, config.compute.dtype = 0.1, "auto", "bfloat16"
     assert KERNELS[compute_config(config, platform).kernel].dropout
@@ -62,7 +62,7 @@ def test_a_run_refuses_the_xla_kernel_with_dropout_before_anything_compiles():
 
 
 def test_jaxgpt_compile_checks_the_kernel_as_a_run_does():
-    """jaxgpt.compile builds its programs through run.compute_config: the same check, first."""
+    """jaxgpt.compile builds its programs through opening.compute_config: the same check, first."""
     from jaxgpt.compile import compile_programs
 
     config = default_config()
