@@ -1,13 +1,13 @@
 """Circuits: W_QK recomputes the model's attention scores, W_OV its heads' output, and the
 composition scores equal a float64 NumPy recomputation written here another way."""
 
-import json
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from runs import write_run
 from test_model import random_params
 
 from jaxgpt import GPT, GPTConfig
@@ -95,26 +95,19 @@ def test_ranks_energy_and_token_circuits(params):
     assert circuits.top_copies(np.array([[0.1, 3.0, 2.0], [5.0, 1.0, 1.0]]), k=2).tolist() == [[1, 2], [0, 1]]
 
 
-def write_run(run):
+def char_run(run):
     """A run directory of a random 2-layer char model, as training writes it."""
     from jaxgpt import tokenizers
-    from jaxgpt.checkpoint import Checkpoints
 
     tokenizer = tokenizers.train_tokenizer("char", ["the cat sat on the mat"])
-    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=8, n_layer=2, n_head=2, d_model=16)
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps({"model": cfg.to_dict()}))
-    tokenizer.save(run / "tokenizer.json")
-    checkpoints = Checkpoints(run)
-    checkpoints.save(1, {"step": jnp.int32(1), "params": random_params(cfg), "opt_state": ()})
-    checkpoints.close()
-    return run
+    return write_run(run, GPTConfig(vocab_size=tokenizer.vocab_size, block_size=8, n_layer=2, n_head=2, d_model=16),
+                     tokenizer)
 
 
 def test_circuits_cli_on_a_run(tmp_path, capsys):
     from jaxgpt.analysis.__main__ import main
 
-    run = write_run(tmp_path / "run")
+    run = char_run(tmp_path / "run")
     assert main(["circuits", str(run), "--top_k", "2"]) == 0
     out = capsys.readouterr().out
     assert "strongest Q-composition: layer 0 head" in out and "OV top-2" in out
@@ -127,7 +120,7 @@ def test_circuits_that_cannot_be_written_say_where_to_write_instead(tmp_path, ca
 
     from jaxgpt.analysis.__main__ import main
 
-    run = write_run(tmp_path / "run")
+    run = char_run(tmp_path / "run")
     (tmp_path / "file").write_text("mine")
     assert main(["circuits", str(run), "--out", str(tmp_path / "file")]) == 2
     assert capsys.readouterr().err.strip() == (f"jaxgpt.analysis: error: cannot write in {tmp_path / 'file'} (a file, "

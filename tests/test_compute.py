@@ -7,18 +7,17 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_run import assert_trees_close, corpus, final_params, tiny_config  # noqa: F401  (corpus: the fixture)
+from runs import tiny_config, trained_run
+from test_run import assert_trees_close, corpus, final_params  # noqa: F401  (corpus: the fixture)
 
 from jaxgpt import ComputeConfig, sampling
 from jaxgpt.run import load_run, train
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, corpus):  # noqa: F811
-    """A 3-step run of today's code (explicit kernel, float32, per-layer blocks)."""
-    tmp_path = tmp_path_factory.mktemp("compute")
-    train(tiny_config(tmp_path, corpus, "trained", **{"train.steps": 3}))
-    return tmp_path / "trained"
+def trained(tmp_path_factory):
+    """A 6-step run of today's code (explicit kernel, float32, per-layer blocks), shared."""
+    return trained_run(tmp_path_factory)[0]
 
 
 def greedy(run_dir, compute=None) -> list[int]:
@@ -58,15 +57,15 @@ def test_a_run_trained_with_cudnn_and_bfloat16_samples_on_this_machine(tmp_path,
     assert greedy(run, ComputeConfig(kernel="xla")) == want
 
 
-def test_a_resume_may_change_every_compute_setting(tmp_path, corpus, capsys):  # noqa: F811
+def test_a_resume_may_change_every_compute_setting(tmp_path, tmp_path_factory, corpus, capsys):  # noqa: F811
     """3 steps as one machine runs them, 3 more with another kernel, remat, the blocks
     stacked: within float tolerance of 6 uninterrupted steps, and the changes are said."""
     train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 3}))
     other = {"compute.kernel": "xla", "compute.remat": True, "compute.scan_layers": True}
     resumed = train(tiny_config(tmp_path, corpus, "split", **other, **{"train.steps": 6}))
-    whole = train(tiny_config(tmp_path, corpus, "whole", **{"train.steps": 6}))
+    whole_dir, whole = trained_run(tmp_path_factory)  # 6 steps
     assert resumed["step"] == whole["step"] == 6
-    assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-5)
+    assert_trees_close(final_params(tmp_path / "split"), final_params(whole_dir), atol=1e-5)
     assert resumed["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-5)
     err = capsys.readouterr().err
     assert "resuming with other compute settings: kernel 'explicit' → 'xla', remat False → True" in err

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from runs import write_run
 from safetensors.numpy import load_file, save_file
 from test_model import random_params
 
 from jaxgpt import ComputeConfig, GPTConfig, convert, export, rundir, sampling, text, tokenizers
-from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.model import GPT
 from jaxgpt.run import load_run
 
@@ -419,17 +419,6 @@ def test_sample_py_samples_from_a_checkpoint(checkpoint, capsys):
 # --- export of a training run ----------------------------------------------------------------------
 
 
-def make_run_dir(path: Path, cfg: GPTConfig, tokenizer) -> Path:
-    """A run directory as training writes it: config.json, tokenizer.json, a checkpoint."""
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"model": cfg.to_dict()}))
-    tokenizer.save(path / "tokenizer.json")
-    checkpoints = Checkpoints(path)
-    checkpoints.save(5, {"step": jnp.int32(5), "params": random_params(cfg), "opt_state": ()})
-    checkpoints.close()
-    return path
-
-
 def run_export(capsys, *args):
     status = export.main([str(arg) for arg in args])
     out, err = capsys.readouterr()
@@ -438,7 +427,7 @@ def run_export(capsys, *args):
 
 def test_export_writes_a_checkpoint_that_loads_as_the_run(tmp_path, capsys, bpe):
     cfg = tiny(tie_embeddings=False)
-    run = make_run_dir(tmp_path / "run", cfg, bpe)
+    run = write_run(tmp_path / "run", cfg, bpe)
     status, out, err = run_export(capsys, "--run_dir", run, "--out", tmp_path / "hf")
     assert status == 0, err
     assert "vocab.json, merges.txt" in out
@@ -453,7 +442,7 @@ def test_export_writes_a_checkpoint_that_loads_as_the_run(tmp_path, capsys, bpe)
 def test_export_of_a_char_run_writes_the_weights_and_says_why_not_the_tokenizer(tmp_path, capsys):
     char = tokenizers.train_tokenizer("char", [TEXT])
     cfg = tiny(vocab_size=char.vocab_size)
-    run = make_run_dir(tmp_path / "run", cfg, char)
+    run = write_run(tmp_path / "run", cfg, char)
     status, out, err = run_export(capsys, "--run_dir", run, "--out", tmp_path / "hf")
     assert status == 0
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", export.MANIFEST, "model.safetensors"]
@@ -462,7 +451,7 @@ def test_export_of_a_char_run_writes_the_weights_and_says_why_not_the_tokenizer(
 
 
 def test_export_refuses_a_model_gpt2_cannot_express(tmp_path, capsys, bpe):
-    run = make_run_dir(tmp_path / "run", tiny(positions="rope", norm="rmsnorm"), bpe)
+    run = write_run(tmp_path / "run", tiny(positions="rope", norm="rmsnorm"), bpe)
     status, _, err = run_export(capsys, "--run_dir", run, "--out", tmp_path / "hf")
     assert status == 2 and not (tmp_path / "hf").exists()
     assert err.strip() == ("export: error: this model cannot be written as GPT-2: positions='rope': GPT-2 learns its "
@@ -472,7 +461,7 @@ def test_export_refuses_a_model_gpt2_cannot_express(tmp_path, capsys, bpe):
 
 
 def test_export_to_a_file_is_a_one_line_error(tmp_path, capsys, bpe):
-    run = make_run_dir(tmp_path / "run", tiny(), bpe)
+    run = write_run(tmp_path / "run", tiny(), bpe)
     (tmp_path / "out.txt").write_text("keep me")
     status, _, err = run_export(capsys, "--run_dir", run, "--out", tmp_path / "out.txt")
     assert status == 2 and err.strip().splitlines() == [f"export: error: --out {tmp_path / 'out.txt'} is a file: give "
@@ -486,8 +475,8 @@ def test_an_export_over_an_earlier_one_leaves_one_model_and_names_what_it_remove
     round they are written; each time the folder is exactly one model."""
     char = tokenizers.train_tokenizer("char", [TEXT])
     char_cfg = tiny(vocab_size=char.vocab_size)
-    bpe_run = make_run_dir(tmp_path / "bpe_run", tiny(), bpe)
-    char_run = make_run_dir(tmp_path / "char_run", char_cfg, char)
+    bpe_run = write_run(tmp_path / "bpe_run", tiny(), bpe)
+    char_run = write_run(tmp_path / "char_run", char_cfg, char)
     out = tmp_path / "hf"
     assert run_export(capsys, "--run_dir", bpe_run, "--out", out)[0] == 0
     status, _, err = run_export(capsys, "--run_dir", char_run, "--out", out)
@@ -501,7 +490,7 @@ def test_an_export_over_an_earlier_one_leaves_one_model_and_names_what_it_remove
 
 
 def test_an_export_refuses_files_no_export_wrote_and_writes_nothing(tmp_path, capsys, bpe):
-    run = make_run_dir(tmp_path / "run", tiny(), bpe)
+    run = write_run(tmp_path / "run", tiny(), bpe)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "config.json").write_text('{"mine": true}')

@@ -9,15 +9,14 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from runs import write_run
 from scripts import load_script
 from test_model import random_params
 
 from jaxgpt import GPTConfig, convert, tokenizers
-from jaxgpt.checkpoint import Checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "".join(f"Line {i}: the king speaks to the queen, and the lord answers {i * 7 % 13}.\n" for i in range(24))
@@ -47,19 +46,12 @@ def run(tmp_path_factory, corpus):
     """A char-level run directory as training writes it, whose data is `corpus` with its last
     fifth held out: (directory, config, params, tokenizer)."""
     path = tmp_path_factory.mktemp("eval") / "run"
-    path.mkdir()
     tokenizer = tokenizers.train_tokenizer("char", [TEXT])
     cfg = tiny(tokenizer.vocab_size)
     params = random_params(cfg)
-    config = {"model": cfg.to_dict(),
-              "data": {"source": str(corpus), "tokenizer": "char", "val_fraction": VAL_FRACTION,
-                       "cache_dir": str(path.parent / "cache"), "eval_stride": None},
-              "train": {"eval_batch_size": BATCH}}
-    (path / "config.json").write_text(json.dumps(config))
-    tokenizer.save(path / "tokenizer.json")
-    checkpoints = Checkpoints(path)
-    checkpoints.save(2, {"step": jnp.int32(2), "params": params, "opt_state": ()})
-    checkpoints.close()
+    data = {"source": str(corpus), "tokenizer": "char", "val_fraction": VAL_FRACTION,
+            "cache_dir": str(path.parent / "cache"), "eval_stride": None}
+    write_run(path, cfg, tokenizer, step=2, params=params, data=data, train={"eval_batch_size": BATCH})
     return path, cfg, params, tokenizer
 
 

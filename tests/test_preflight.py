@@ -1,4 +1,4 @@
-"""What a run is checked against before its first step (jaxgpt.preflight, through run.open_run
+"""What a run is checked against before its first step (jaxgpt.preflight, through opening.open_run
 and train.py): every section of the config, the settings init_from fixes (an explicit one is
 refused, and config.json says what the run really uses), and the share of <|unk|> that a
 tokenizer not trained on the data makes."""
@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from test_run import cli_args, run_train_py, tiny_config, write_corpus
+from runs import cli_args, tiny_config, trained_run, write_corpus
+from test_run import run_train_py
 
 from jaxgpt import tokenizers
 from jaxgpt.errors import ConfigError, DataError
@@ -50,13 +51,9 @@ def test_a_mesh_that_does_not_fit_stops_the_run_before_the_data_is_read(tmp_path
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory, corpus):
-    """A finished char-level run on the corpus (its 42-odd characters only)."""
-    from jaxgpt.run import train
-
-    where = tmp_path_factory.mktemp("source")
-    train(tiny_config(where, corpus, "source"))
-    return where / "source"
+def source(tmp_path_factory):
+    """A finished char-level run on the corpus's text (its 42-odd characters only), shared."""
+    return trained_run(tmp_path_factory)[0]
 
 
 def started_from(tmp_path, corpus, source, run="tuned", **changes):

@@ -13,53 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from processes import free_port
+from runs import TINY_OVERRIDES, cli_args, tiny_config, trained_run, write_corpus
 
 from jaxgpt import ComputeConfig, GPTConfig, sharding
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
-WORDS = "the a king queen lord lady speaks comes goes to from with and but now then here there".split()
-
-
-def write_corpus(path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    lines = [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))).capitalize() + "." for _ in range(400)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-TINY_OVERRIDES = {
-    "data.tokenizer": "char", "data.val_fraction": 0.2,
-    "model.n_layer": 1, "model.n_head": 2, "model.d_model": 16, "model.block_size": 16,
-    "train.steps": 6, "train.batch_size": 4, "train.eval_batch_size": 4, "train.warmup_steps": 1,
-    "train.decay_steps": 12, "train.eval_every": 3, "train.ckpt_every": 3, "train.log_every": 1,
-    "train.eval_max_batches": 2, "train.peak_flops": 1e9, "sample.max_new_tokens": 0,
-}
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
-
-
-def tiny_config(tmp_path, corpus, run="run", preset=None, **changes):
-    """default_config(), or configs/<preset>.py as train.py loads it, with TINY_OVERRIDES."""
-    from jaxgpt.config import default_config, load_config
-
-    config = load_config(ROOT / "configs" / f"{preset}.py") if preset else default_config()
-    for key, value in {**TINY_OVERRIDES, **changes}.items():
-        *section, name = key.split(".")
-        (config[section[0]] if section else config)[name] = value
-    config.data.source = str(corpus)
-    config.data.cache_dir = str(tmp_path / "cache")
-    config.run_dir = str(tmp_path / run)
-    return config
-
-
-def cli_args(tmp_path, corpus, run="run", **changes):
-    values = {**TINY_OVERRIDES, **changes, "data.source": str(corpus), "data.cache_dir": str(tmp_path / "cache")}
-    return [f"--config.{k}={v}" for k, v in values.items()] + [f"--config.run_dir={tmp_path / run}"]
 
 
 def final_params(run_dir, step=None):
@@ -83,15 +47,15 @@ def assert_trees_close(a, b, atol):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
 
 
-def test_resume_equals_uninterrupted(tmp_path, corpus):
+def test_resume_equals_uninterrupted(tmp_path, tmp_path_factory, corpus):
     from jaxgpt.run import train
 
     first = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 3}))
     assert first["step"] == 3
     resumed = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 6}))
-    whole = train(tiny_config(tmp_path, corpus, "whole", **{"train.steps": 6}))
+    whole_dir, whole = trained_run(tmp_path_factory)  # TINY_OVERRIDES: 6 steps
     assert resumed["step"] == whole["step"] == 6
-    assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-6)
+    assert_trees_close(final_params(tmp_path / "split"), final_params(whole_dir), atol=1e-6)
     assert resumed["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
     records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # the resumed run took up at step 4

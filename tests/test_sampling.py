@@ -19,11 +19,11 @@ import pytest
 import reference as ref
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from runs import save_params, write_run
 from scripts import load_script
 from test_model import random_params as uncommitted_random_params
 
 from jaxgpt import ComputeConfig, GPTConfig, beam, sampling, tokenizers
-from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.run import load_run
 from jaxgpt.text import generate_text
 
@@ -435,18 +435,11 @@ TEXT = "First Citizen:\nSpeak, speak.\nFirst:\nSpeak, speak up.\n"
 
 
 def make_run_dir(path: Path, with_checkpoint: bool = True) -> Path:
-    """A tiny run directory as training writes it: config.json, tokenizer.json, a checkpoint."""
+    """A tiny run directory as training writes it: config.json, tokenizer.json, a checkpoint at step 3."""
     tokenizer = tokenizers.train_tokenizer("char", [TEXT])
     cfg = tiny()
     assert tokenizer.vocab_size == cfg.vocab_size
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"model": cfg.to_dict()}))
-    tokenizer.save(path / "tokenizer.json")
-    if with_checkpoint:
-        checkpoints = Checkpoints(path)
-        checkpoints.save(3, {"step": jnp.int32(3), "params": random_params(cfg), "opt_state": ()})
-        checkpoints.close()
-    return path
+    return write_run(path, cfg, tokenizer, step=3 if with_checkpoint else None, params=random_params(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -611,9 +604,7 @@ def test_sample_py_missing_run_dir_or_checkpoint(cli, capsys, tmp_path):
 
 def test_sample_py_step_that_is_not_there_names_the_steps_that_are(cli, capsys, tmp_path):
     run_dir = make_run_dir(tmp_path / "run")  # a checkpoint at step 3
-    checkpoints = Checkpoints(run_dir)
-    checkpoints.save(20, {"step": jnp.int32(20), "params": random_params(tiny()), "opt_state": ()})
-    checkpoints.close()
+    save_params(run_dir, 20, random_params(tiny()))
     status, out, err = sample(cli, capsys, run_dir, "--prompt", "First", "--step", 999)
     assert status == 2 and out == ""
     assert err == f"sample.py: error: no checkpoint at step 999 in {run_dir / 'checkpoints'}: the steps there are 3, " \

@@ -8,15 +8,14 @@ import struct
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
 from matplotlib.image import imread
+from runs import write_run
 from test_model import random_params
 
 from jaxgpt import GPT, GPTConfig, tokenizers, viz
-from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.run import load_run
 
 TEXT = "def add(a, b):\n    return a + b\n"  # 16 characters + 4 special tokens
@@ -52,16 +51,10 @@ def run_dir(tmp_path_factory):
     """A tiny run directory as training writes it, whose model uses the fused attention
     kernel (written in its compute section, as training writes it): its attention weights
     exist only when viz runs the explicit kernel."""
-    path = tmp_path_factory.mktemp("viz") / "run"
-    path.mkdir()
     tokenizer = tokenizers.train_tokenizer("char", [TEXT])
     cfg = tiny()
     assert tokenizer.vocab_size == cfg.vocab_size
-    (path / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "compute": {"kernel": "xla"}}))
-    tokenizer.save(path / "tokenizer.json")
-    checkpoints = Checkpoints(path)
-    checkpoints.save(4, {"step": jnp.int32(4), "params": random_params(cfg), "opt_state": ()})
-    checkpoints.close()
+    path = write_run(tmp_path_factory.mktemp("viz") / "run", cfg, tokenizer, step=4, compute={"kernel": "xla"})
     records = [{"step": s, "train_loss": 3.0 - 0.2 * s, "tokens_seen": 64 * s} for s in range(1, 9)]
     records[3]["val_loss"], records[7]["val_loss"] = 2.5, 1.8
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
