@@ -405,13 +405,19 @@ _DAMAGE_STATUS = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION
                   "PERMISSION_DENIED")
 
 
-def _is_damage(error: BaseException) -> bool:
+def _is_damage(error: BaseException | None) -> bool:
     """Whether an error raised while reading a step is the step's damage: missing or unreadable
-    files, or a decode error."""
-    if isinstance(error, (OSError, UnicodeDecodeError, json.JSONDecodeError)):
-        return True
-    status = str(error).split(":", 1)[0].strip()
-    return isinstance(error, ValueError) and status in _DAMAGE_STATUS
+    files, or a decode error, said by it or by an error it was raised from (orbax wraps the
+    storage layer's: 'Encountered error while reading array index …')."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (OSError, UnicodeDecodeError, json.JSONDecodeError)):
+            return True
+        if isinstance(error, ValueError) and str(error).split(":", 1)[0].strip() in _DAMAGE_STATUS:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 @contextlib.contextmanager

@@ -233,9 +233,9 @@ def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
     return written
 
 
-# Sections a resume may change and that config.json records: what is said of the model and
-# the compute settings is said by check_same_run.
-SAID_ELSEWHERE = ("model", "compute", "tokenizer_sha256", "run_dir")
+# Keys config.json records whose change on a resume is not said here: the model and the compute
+# settings are said by check_same_run; run_dir, resume and compile_only are how this command runs.
+SAID_ELSEWHERE = ("model", "compute", "tokenizer_sha256", "run_dir", "resume", "compile_only")
 
 
 def write_config(directory: Path, resolved: dict, resumed_at: int | None) -> None:
@@ -251,7 +251,7 @@ def write_config(directory: Path, resolved: dict, resumed_at: int | None) -> Non
         if not earlier.exists():
             write_json(earlier, saved)
         for change in changes:
-            print(f"jaxgpt: resuming at step {resumed_at} with {change} (the earlier steps' config: {earlier.name})",
+            print(f"jaxgpt: changed since step {resumed_at}: {change} (the config of the steps before: {earlier.name})",
                   file=sys.stderr)
     write_json(path, resolved)
 

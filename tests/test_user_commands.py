@@ -67,10 +67,10 @@ def test_a_resume_with_changed_settings_says_each_and_keeps_the_earlier_config(m
     out = run(readme_line(r"pip install -e \. && python train.py"), home, *SMALL_MAIN_JOB,
               "--config.train.steps=6", "--config.train.lr=0.002")
     assert out.returncode == 0, out.stderr[-3000:]
-    said = [line for line in out.stderr.splitlines() if line.startswith("jaxgpt: resuming at step 4 with")]
-    assert sorted(said) == ["jaxgpt: resuming at step 4 with train.lr 0.001 → 0.002 (the earlier steps' config: "
+    said = [line for line in out.stderr.splitlines() if line.startswith("jaxgpt: changed since step")]
+    assert sorted(said) == ["jaxgpt: changed since step 4: train.lr 0.001 → 0.002 (the config of the steps before: "
                             "config.step-4.json)",
-                            "jaxgpt: resuming at step 4 with train.steps 4 → 6 (the earlier steps' config: "
+                            "jaxgpt: changed since step 4: train.steps 4 → 6 (the config of the steps before: "
                             "config.step-4.json)"], out.stderr[-3000:]
     earlier = json.loads((home / "runs/default/config.step-4.json").read_text())
     now = json.loads((home / "runs/default/config.json").read_text())
