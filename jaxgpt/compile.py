@@ -166,15 +166,35 @@ def per_device_bytes(tree) -> int:
 
 
 def model_of(config):
-    """The GPTConfig of the config's model section: the vocabulary must be given, since no
-    data (and no tokenizer) is read here."""
+    """The GPTConfig of the config's model section; a vocabulary of 0 (the tokenizer's) is read
+    from a tokenizer that exists already (known_vocab_size), since compiling reads no data."""
     from jaxgpt.config import GPTConfig
 
     values = dict(config.model)
     if not values["vocab_size"]:
-        raise ValueError("model.vocab_size is 0 (the tokenizer's): compiling reads no data, so set "
+        values["vocab_size"] = known_vocab_size(config)
+    if not values["vocab_size"]:
+        raise ValueError("model.vocab_size is 0 (the tokenizer's), and no tokenizer of this config exists yet: "
+                         "prepare the data first (python -m jaxgpt.data with the same --config), or set "
                          "--config.model.vocab_size (e.g. 50304 for GPT-2's tokenizer)")
     return GPTConfig.from_dict(values)
+
+
+def known_vocab_size(config) -> int | None:
+    """The vocabulary of the config's tokenizer where one exists without reading the data: the
+    run directory's tokenizer.json, a tokenizer file data.tokenizer names, or the token cache
+    the data was prepared into. None when there is none yet."""
+    from jaxgpt import data, tokenizers
+    from jaxgpt.rundir import TOKENIZER_FILE
+
+    pinned = Path(config.run_dir or "") / TOKENIZER_FILE
+    if config.run_dir and pinned.is_file():
+        return tokenizers.load(pinned).vocab_size
+    try:
+        tokenizer = data.known_tokenizer(config.data)
+    except (ValueError, OSError):  # a source that cannot be opened here: nothing is known
+        return None
+    return None if tokenizer is None else tokenizer.vocab_size
 
 
 def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:

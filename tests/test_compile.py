@@ -350,3 +350,23 @@ def test_compiles_for_a_multi_host_v5p_slice(tmp_path):
     assert report["chip"] == "v5p" and report["devices"] == 16 and report["processes"] == 4
     train = report["programs"]["train step"]
     assert train["parameters"] == expected_param_bytes(8) and train["fits"]
+
+
+def test_a_vocabulary_left_to_the_tokenizer_is_read_from_one_that_exists(tmp_path):
+    """compile_only on a char config: the vocabulary comes from the prepared token cache (or a
+    run's tokenizer.json), and without either the message says to prepare the data first."""
+    from runs import tiny_config, write_corpus
+
+    from jaxgpt import data, tokenizers
+
+    config = tiny_config(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    config.model.vocab_size = 0
+    with pytest.raises(ValueError, match=r"no tokenizer of this config exists yet: prepare the data first "
+                                         r"\(python -m jaxgpt.data with the same --config\)"):
+        ahead.model_of(config)
+    corpus = data.prepare(config.data)
+    assert ahead.model_of(config).vocab_size == corpus.tokenizer.vocab_size
+    pinned = tokenizers.CharTokenizer.train("xyz")
+    (tmp_path / "run").mkdir()
+    pinned.save(tmp_path / "run" / "tokenizer.json")  # a run's own tokenizer comes first
+    assert ahead.model_of(config).vocab_size == pinned.vocab_size != corpus.tokenizer.vocab_size

@@ -37,7 +37,7 @@ from jaxgpt.lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(("bits_per_byte", "eval_batch", "eval_batches", "num_eval_batches", "train_batch"),
                     "jaxgpt.data.batches"),
-    **dict.fromkeys(("Corpus", "open_corpus", "prepare", "tokenizer_hash"), "jaxgpt.data.cache"),
+    **dict.fromkeys(("Corpus", "known_tokenizer", "open_corpus", "prepare", "tokenizer_hash"), "jaxgpt.data.cache"),
     **dict.fromkeys(("Examples", "encode_turns"), "jaxgpt.data.examples"),
     **dict.fromkeys(("Layout", "eval_rows", "num_eval_rows", "packed_batch", "plan"), "jaxgpt.data.packing"),
     **dict.fromkeys(("DeviceBatches", "process_rows"), "jaxgpt.data.prefetch"),

@@ -141,10 +141,7 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None,
         tokenizer = _load_tokenizer_file(settings.tokenizer)
     source = resolve(settings.source, settings)
     val_source = resolve(settings.val_source, settings) if settings.val_source else None
-    fingerprint = _fingerprint(settings, source, val_source, tokenizer)
-    tokenizer_name = settings.tokenizer if tokenizer is None else f"{tokenizer.kind}{tokenizer.vocab_size}"
-    name = re.sub(r"[^\w.-]+", "-", f"{source.name}-{tokenizer_name}")[:60]
-    directory = settings.cache_path / f"{name}-{fingerprint[:16]}"
+    directory, fingerprint = _cache_directory(settings, source, val_source, tokenizer)
     build = (directory, fingerprint, source, val_source, settings, tokenizer, on_progress)
     if not (directory / "meta.json").is_file():
         _build(*build)
@@ -161,6 +158,31 @@ def prepare(data_cfg: Mapping[str, Any], tokenizer: Tokenizer | None = None,
     if corpus.meta["fingerprint"] != fingerprint:
         raise DataError(f"the token cache {directory} belongs to other data; delete it")
     return corpus
+
+
+def _cache_directory(settings: DataConfig, source: Source, val_source: Source | None,
+                     tokenizer: Tokenizer | None) -> tuple[Path, str]:
+    """(the directory of the cache of these settings, its fingerprint)."""
+    fingerprint = _fingerprint(settings, source, val_source, tokenizer)
+    tokenizer_name = settings.tokenizer if tokenizer is None else f"{tokenizer.kind}{tokenizer.vocab_size}"
+    name = re.sub(r"[^\w.-]+", "-", f"{source.name}-{tokenizer_name}")[:60]
+    return settings.cache_path / f"{name}-{fingerprint[:16]}", fingerprint
+
+
+def known_tokenizer(data_cfg: Mapping[str, Any]) -> Tokenizer | None:
+    """The tokenizer `prepare(data_cfg)` makes the tokens with, where it exists without reading
+    the data: the tokenizer file data.tokenizer names, or the tokenizer of the token cache
+    written already (None otherwise). Nothing is read but the sources' identities and files."""
+    settings = DataConfig.from_mapping(data_cfg)
+    if settings.tokenizer not in tokenizers.KINDS:
+        return _load_tokenizer_file(settings.tokenizer)
+    tokenizer = None
+    source = resolve(settings.source, settings)
+    val_source = resolve(settings.val_source, settings) if settings.val_source else None
+    directory, _ = _cache_directory(settings, source, val_source, tokenizer)
+    if not (directory / "meta.json").is_file() or not (directory / "tokenizer.json").is_file():
+        return None
+    return tokenizers.load(directory / "tokenizer.json")
 
 
 def _repaired(directory: Path, settings: DataConfig, source: Source, val_source: Source | None,
