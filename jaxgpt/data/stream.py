@@ -180,7 +180,7 @@ def _empty(settings: DataConfig, reader: DocumentReader, held_out: bool) -> Data
         return DataError(f"the corpus {settings.source!r} holds no text for the train split: every document was held "
                          f"out for validation (data.val_fraction={settings.val_fraction}); lower data.val_fraction")
     skipped = reader.skipped()
-    why = f": every file was skipped, {skipped}" if skipped else ""
+    why = f": every file was skipped ({skipped})" if skipped else ""
     return DataError(f"the corpus {settings.source!r} is empty: it holds no text{why}")
 
 

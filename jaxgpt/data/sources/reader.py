@@ -74,51 +74,45 @@ class DocumentReader:
             recognizer.close()
             self.large_images.update(recognizer.large_images)
 
-    def warn(self) -> None:
-        notes = []
+    def findings(self) -> list[tuple[bool, str]]:
+        """What reading found, one note per kind, each with whether it left a file's text out:
+        the one list that both the warning and the empty corpus's error read."""
+        found = []
         if self.replaced:
-            notes.append(f"replaced {self.replaced} undecodable byte sequence(s) with U+FFFD in "
-                         f"{len(self.files_with_replacements)} file(s), e.g. "
-                         f"{self.files_with_replacements[0]}")
+            files = self.files_with_replacements
+            found.append((False, f"replaced {self.replaced} undecodable byte sequence(s) with U+FFFD in "
+                                 f"{len(files)} file(s), e.g. {files[0]}"))
         if self.binary_files:
-            notes.append(f"skipped {len(self.binary_files)} binary file(s), e.g. "
-                         f"{self.binary_files[0]}{self._images_hint()}")
+            found.append((True, f"skipped {len(self.binary_files)} binary file(s): "
+                                f"{_listed(map(str, self.binary_files))}{self._images_hint()}"))
         if self.pdfs_without_text:
-            notes.append(f"found no text layer in {len(self.pdfs_without_text)} PDF(s), e.g. "
-                         f"{self.pdfs_without_text[0]} (scanned pages need OCR: set data.ocr.mode='auto')")
+            found.append((True, f"skipped {len(self.pdfs_without_text)} PDF(s) without a text layer: "
+                                f"{_listed(map(str, self.pdfs_without_text))} (scanned pages need OCR: "
+                                "data.ocr.mode='auto')"))
         if self.unreadable:
-            notes.append(f"skipped {len(self.unreadable)} unreadable file(s): "
-                         + _listed(f"{path} ({problem})" for path, problem in self.unreadable))
+            found.append((True, f"skipped {len(self.unreadable)} unreadable file(s): "
+                                + _listed(f"{path} ({problem})" for path, problem in self.unreadable)))
         if self.large_images:
-            notes.append(f"read {len(self.large_images)} image(s) larger than Pillow's decompression-bomb limit "
-                         f"of {ocr.pixel_limit():,} pixels: "
-                         + _listed(f"{path} ({pixels:,} pixels)" for path, pixels in self.large_images.items()))
+            found.append((False, f"read {len(self.large_images)} image(s) larger than Pillow's decompression-bomb "
+                                 f"limit of {ocr.pixel_limit():,} pixels: "
+                                 + _listed(f"{path} ({n:,} pixels)" for path, n in self.large_images.items())))
         if self.low_confidence:
-            kept = ("dropped them" if self.settings.ocr.drop_low_confidence
-                    else "kept them (data.ocr.drop_low_confidence=True drops them)")
-            notes.append(f"{len(self.low_confidence)} file(s) have a mean OCR confidence below "
-                         f"data.ocr.min_confidence={self.settings.ocr.min_confidence}: "
-                         + _listed(f"{path} ({confidence:.1f})" for path, confidence in self.low_confidence)
-                         + f"; {kept}")
+            dropped = self.settings.ocr.drop_low_confidence
+            kept = "dropped them" if dropped else "kept them (data.ocr.drop_low_confidence=True drops them)"
+            found.append((dropped, f"{len(self.low_confidence)} file(s) have a mean OCR confidence below "
+                                   f"data.ocr.min_confidence={self.settings.ocr.min_confidence}: "
+                                   + _listed(f"{path} ({confidence:.1f})" for path, confidence in self.low_confidence)
+                                   + f"; {kept}"))
+        return found
+
+    def warn(self) -> None:
+        notes = [note for _, note in self.findings()]
         if notes:
             warnings.warn("reading the corpus: " + "; ".join(notes), stacklevel=3)
 
     def skipped(self) -> str:
         """The files whose text was left out, and why, in words ('' when none was)."""
-        notes = []
-        if self.binary_files:
-            notes.append(f"{len(self.binary_files)} binary file(s): {_listed(map(str, self.binary_files))}"
-                         + self._images_hint())
-        if self.pdfs_without_text:
-            notes.append(f"{len(self.pdfs_without_text)} PDF(s) without a text layer: "
-                         f"{_listed(map(str, self.pdfs_without_text))} (scanned pages need OCR: data.ocr.mode='auto')")
-        if self.unreadable:
-            notes.append(f"{len(self.unreadable)} unreadable file(s): "
-                         + _listed(f"{path} ({problem})" for path, problem in self.unreadable))
-        if self.low_confidence and self.settings.ocr.drop_low_confidence:
-            notes.append(f"{len(self.low_confidence)} file(s) below data.ocr.min_confidence: "
-                         + _listed(f"{path} ({confidence:.1f})" for path, confidence in self.low_confidence))
-        return "; ".join(notes)
+        return "; ".join(note for left_out, note in self.findings() if left_out)
 
     def _images_hint(self) -> str:
         if any(path.suffix.lower() in ocr.IMAGE_SUFFIXES for path in self.binary_files):
