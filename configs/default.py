@@ -1,6 +1,7 @@
 """The README's main job: a small GPT on the Python standard library's own source code
-(present on every machine with Python, so nothing is downloaded), about 5 minutes on 2 CPU
-cores; it evaluates, saves checkpoints, plots its loss and ends by printing a sample.
+(present on every machine with Python, so nothing is downloaded), 3–5 minutes on 2 CPU cores
+(2 min 49 s – 2 min 54 s on an Intel Xeon, 5 min 10 s on an AMD EPYC: docs/RESULTS.md); it
+evaluates, saves checkpoints, plots its loss and ends by printing a sample.
 """
 
 from jaxgpt.config import default_config
