@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt import data
-from jaxgpt.attention import init_cache
+from jaxgpt.attention import FORMS, init_cache
 from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
 
@@ -151,7 +151,7 @@ def score_continuations(model: GPT, params, pairs: Sequence[tuple[Sequence[int],
     block_size = model.cfg.block_size
     scored = [i for i, (_, c) in enumerate(pairs) if len(c)]
     rows = [continuation_row(pairs[i][0], pairs[i][1], block_size) for i in scored]
-    if model.cfg.attention == "softmax":
+    if FORMS[model.cfg.attention].slots_by_position:  # the engine copies a context's cache row by its slots
         requests = [(np.concatenate([row.inputs, row.targets[-1:]]), len(row.inputs) - int(row.mask.sum()))
                     for row in rows]
         scores = score_cached(model, params, requests, batch_size=batch_size, on_batch=on_batch)
@@ -210,8 +210,8 @@ def prepare(model: GPT, params, batch_size: int) -> None:
     """Compile the engine's programs for batch_size rows and run each once (on nothing that
     counts), so that the first requests find them ready: a caller can do this while it waits
     for something else (the harness, while it builds its tasks). Nothing to do for a model
-    whose attention is not softmax."""
-    if model.cfg.attention != "softmax":
+    whose cache does not keep each token in its position's slot (the engine needs that)."""
+    if not FORMS[model.cfg.attention].slots_by_position:
         return
     programs, zeros = engine(model, batch_size), functools.partial(np.zeros, dtype=np.int32)
     rows, cache = programs.rows, _empty_cache(model, params, programs.rows)
