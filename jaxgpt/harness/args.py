@@ -65,7 +65,8 @@ def check_run_dir(run_dir) -> None:
 
 def checked(model_args: dict, harness_batch_size=None) -> ModelArgs:
     """The model_args a command line gives "jaxgpt" (as the harness parsed them), checked as
-    the model will check them; the batch size is model_args', else the harness's --batch_size."""
+    the model will check them; the batch size is model_args', else the harness's --batch_size
+    (as the model gets it: `JaxGPT.create_from_arg_obj`)."""
     values = dict(model_args)
     run_dir, step, stride = values.pop("run_dir", None), values.pop("step", None), values.pop("stride", None)
     batch_size, seed = values.pop("batch_size", None), values.pop("seed", None)
@@ -73,6 +74,13 @@ def checked(model_args: dict, harness_batch_size=None) -> ModelArgs:
     size = parse_batch_size(harness_batch_size if batch_size is None else batch_size)
     check_run_dir(run_dir)
     return ModelArgs(str(run_dir), step, stride, size)
+
+
+def harness_default_batch_size():
+    """The batch size the harness passes every model when its command line gives none."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    return EvaluatorConfig.__dataclass_fields__["batch_size"].default
 
 
 def from_command_line(argv: list[str]) -> ModelArgs | None:
@@ -90,4 +98,8 @@ def from_command_line(argv: list[str]) -> ModelArgs | None:
         sys.argv = saved
     if getattr(args, "model", None) != "jaxgpt" or getattr(args, "config", None):
         return None
-    return checked(args.model_args or {}, getattr(args, "batch_size", None))
+    model_args = args.model_args or {}
+    if "batch_size" not in model_args and getattr(args, "batch_size", None) is None:
+        checked(model_args)  # its errors first, then what the harness will pass
+        return checked(model_args, harness_default_batch_size())
+    return checked(model_args, getattr(args, "batch_size", None))
