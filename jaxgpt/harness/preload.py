@@ -65,7 +65,7 @@ def run_stride(run_dir, stride: int | None, block_size: int) -> int | None:
 
 class Background:
     """Loading a run (unless it is given) and then compiling its scoring programs for
-    batch_size rows, on a daemon thread. `loaded()` waits for the run; `wait()` for the
+    batch_size rows, on a thread of their own. `loaded()` waits for the run; `wait()` for the
     compiles too."""
 
     def __init__(self, batch_size: int, *, args: ModelArgs | None = None, loaded: Loaded | None = None,
@@ -76,8 +76,8 @@ class Background:
 
         self.args, self._loaded, self.error, self.claimed = args, loaded, None, False
         self._ready, self._lock, self._waited = threading.Event(), threading.Lock(), False
-        self._thread = threading.Thread(target=self._run, args=(batch_size, interrupt_main), daemon=True,
-                                        name="jaxgpt-preload")
+        # not a daemon: the process waits for its compiles before it exits (JAX's backends are torn down then)
+        self._thread = threading.Thread(target=self._run, args=(batch_size, interrupt_main), name="jaxgpt-preload")
         self._thread.start()
 
     def _run(self, batch_size: int, interrupt_main: bool) -> None:
@@ -149,7 +149,7 @@ def take(run_dir, step, stride) -> Background | None:
 
 
 def finish(background: Background) -> None:
-    """Forget a started preload, once its thread is done (none is left running when JAX shuts down)."""
+    """Forget a started preload, once its thread is done."""
     if background in _started:
         _started.remove(background)
     background.settle()
