@@ -138,9 +138,13 @@ def _tokenizer(partial: Path, saved: dict | None, source: Source, val_source: So
         once = tokenizers.KINDS[settings.tokenizer].learns_from_counts  # one pass: the sample is never held whole
         texts = TrainSample(corpus_items(source, val_source, settings, reader), settings.tokenizer_sample_bytes,
                             keep=not once, spill=partial / READ_FILE)
-        if texts.empty():
-            raise _empty(settings, reader, held_out=texts.read is None or bool(texts.read))
-        tokenizer = trained_tokenizer(settings, texts, workers)  # its pieces counted as the sample is read
+        try:
+            if texts.empty():
+                raise _empty(settings, reader, held_out=texts.read is None or bool(texts.read))
+            tokenizer = trained_tokenizer(settings, texts, workers)  # its pieces counted as the sample is read
+        except BaseException:
+            texts.discard_read()  # its spill file closed and removed, whatever stopped the reading
+            raise
         texts.finish()
         log.info("trained the %s tokenizer on %d documents (%d bytes)", settings.tokenizer, len(texts.documents),
                  texts.bytes)
