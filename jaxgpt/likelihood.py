@@ -14,9 +14,9 @@ counted once, exactly as `jaxgpt.evaluation` counts a text's loss.
 Continuations are scored through the KV cache when the attention is softmax (`score_cached`):
 each context is read once into the cache, read_width tokens a call, and each of its
 continuations (a multiple-choice item's choices) is read after a copy of its row, score_width
-tokens a call. Every call has one of two shapes, set by batch_size and block_size alone, so a
-task compiles two programs whatever its lengths, and they can be compiled (`prepare`) before
-the requests arrive.
+tokens a call. Every call has one of two shapes (one when block_size ≤ 256), set by batch_size and block_size
+alone, so a task compiles two programs at most whatever its lengths, and they can be compiled
+(`prepare`) before the requests arrive.
 
 Otherwise (texts, and continuations under another attention form) every request becomes a row
 (inputs, targets, mask). Rows are sorted by length, put in batches of `batch_size` (the last
@@ -40,7 +40,9 @@ from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
 
 MIN_BUCKET = 16
-SCORE_WIDTH = 16  # the continuation tokens each call of the engine scores
+# the continuation tokens each call of the engine scores: on bench_harness's task (CPU) 32 makes 13 calls
+# and takes 12% less time than 16 (24 calls: a call's cost is far from proportional to its width)
+SCORE_WIDTH = 32
 
 
 def prefix_id(tokenizer: Tokenizer) -> int:
@@ -144,7 +146,7 @@ def score_continuations(model: GPT, params, pairs: Sequence[tuple[Sequence[int],
                         batch_size: int, on_batch=None) -> list[tuple[float, bool]]:
     """(log p(c | x), greedy(c | x)) of each (context ids, continuation ids); an empty
     continuation scores (0, True). With softmax attention every pair goes through the KV cache
-    (`score_cached`: the engine's two programs, whatever the lengths); with another form each
+    (`score_cached`: two programs at most, whatever the lengths); with another form each
     is a row of its own (`score_rows`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
@@ -168,24 +170,27 @@ def score_continuations(model: GPT, params, pairs: Sequence[tuple[Sequence[int],
 
 def widths(block_size: int) -> tuple[int, int]:
     """(read, score): the tokens of a context each call of the engine reads into the cache
-    (block_size/8, at least SCORE_WIDTH) and the tokens of a continuation each call scores."""
+    (block_size/8, at least SCORE_WIDTH) and the tokens of a continuation each call scores
+    (SCORE_WIDTH: most continuations a task asks about fit one call)."""
     score = min(block_size, SCORE_WIDTH)
     return min(block_size, max(score, block_size // 8)), score
 
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
-    """The two jitted programs of `score_cached`, for `rows` rows of a model's cache:
-    read(params, cache, tokens (rows, read_width), start (rows,)) → the cache with each row's
-    tokens written in slots start…; score(params, cache, source (rows,), tokens (rows,
-    score_width), start, targets, mask) → (the cache, Σ counted log-probs (rows,), all
-    counted targets greedy (rows,)), where row b first takes the cache's row source[b]."""
+    """The calls of `score_cached`, for `rows` rows of a model's cache, each giving its cache
+    up to the one it returns (the slots are written in place): read(params, cache, tokens
+    (rows, read_width), start (rows,)) → the cache with each row's tokens written in its slots
+    start…; score(params, cache, tokens (rows, score_width), start, targets, mask) → (that cache,
+    Σ counted log-probs (rows,), all counted targets greedy (rows,)). `programs`: the jitted
+    programs behind them, one when the widths are one (a read is then a score that counts nothing)."""
 
     rows: int
     read_width: int
     score_width: int
     read: Callable
     score: Callable
+    programs: tuple
 
 
 @functools.cache
@@ -193,8 +198,7 @@ def engine(model: GPT, rows: int) -> Engine:
     def read(params, cache, tokens, start):
         return model.apply({"params": params}, tokens, cache.replace(index=start))[1]
 
-    def score(params, cache, source, tokens, start, targets, mask):
-        cache = jax.tree.map(lambda rows_of: rows_of[source], cache)  # each continuation after its context
+    def score(params, cache, tokens, start, targets, mask):
         logits, cache = model.apply({"params": params}, tokens, cache.replace(index=start))
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
@@ -202,8 +206,16 @@ def engine(model: GPT, rows: int) -> Engine:
         return cache, jnp.sum(jnp.where(mask, logprobs, 0.0), axis=-1), greedy
 
     read_width, score_width = widths(model.cfg.block_size)
-    # the read's cache is given up to its result: a context's slots are written in place
-    return Engine(rows, read_width, score_width, jax.jit(read, donate_argnums=1), jax.jit(score))
+    scorer = jax.jit(score, donate_argnums=1)
+    if read_width != score_width:
+        reader = jax.jit(read, donate_argnums=1)
+        return Engine(rows, read_width, score_width, reader, scorer, (reader, scorer))
+
+    def read_by_scoring(params, cache, tokens, start):  # one program to compile, not two
+        nothing = np.zeros(tokens.shape, np.int32)
+        return scorer(params, cache, tokens, start, nothing, nothing.astype(bool))[0]
+
+    return Engine(rows, read_width, score_width, read_by_scoring, scorer, (scorer,))
 
 
 def prepare(model: GPT, params, batch_size: int) -> None:
@@ -217,8 +229,8 @@ def prepare(model: GPT, params, batch_size: int) -> None:
     rows, cache = programs.rows, _empty_cache(model, params, programs.rows)
     cache = programs.read(params, cache, zeros((rows, programs.read_width)), zeros(rows))
     width = programs.score_width
-    jax.block_until_ready(programs.score(params, cache, zeros(rows), zeros((rows, width)), zeros(rows),
-                                         zeros((rows, width)), np.zeros((rows, width), bool)))
+    jax.block_until_ready(programs.score(params, cache, zeros((rows, width)), zeros(rows), zeros((rows, width)),
+                                         np.zeros((rows, width), bool)))
 
 
 def score_cached(model: GPT, params, requests: Sequence[tuple[np.ndarray, int]], *, batch_size: int,
@@ -226,35 +238,39 @@ def score_cached(model: GPT, params, requests: Sequence[tuple[np.ndarray, int]],
     """(Σ log p, all greedy) of each request (tokens s, prefix p): s[:p] is a context read into
     the KV cache, s[p+1:] the continuation counted after it (s: at most block_size + 1 tokens).
     Requests with the same context share it: batch_size contexts are read at a time, longest
-    first, then their continuations, batch_size to a call, each after a copy of its context's
-    cache row. Every call has one of two shapes (`engine`), so a task compiles two programs."""
+    first, a context to a row; then each row scores its context's continuations one after
+    another, longest first, each written in the slots after the context (over the one before:
+    a slot is attended only by later positions, and a window writes its slots first). Every call
+    has one of two shapes (`engine`), so a task compiles two programs at most, whatever its lengths;
+    `on_batch(done, total)` follows the calls that score one continuation of each row."""
     programs = engine(model, batch_size)
     groups: dict[bytes, list[int]] = {}
     for i, (tokens, prefix) in enumerate(requests):
         groups.setdefault(tokens[:prefix].tobytes(), []).append(i)
-    order = sorted(groups.values(), key=lambda g: -requests[g[0]][1])
+    order = sorted((sorted(g, key=lambda i: -_counted(requests[i])) for g in groups.values()),
+                   key=lambda g: -requests[g[0]][1])
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
-    total, done = sum(-(-sum(map(len, batch)) // batch_size) for batch in batches), 0
+    total, done = sum(max(map(len, batch)) for batch in batches), 0
     cache, pending = _empty_cache(model, params, batch_size), []
     for batch in batches:
         cache = _read_contexts(programs, params, cache, [requests[g[0]] for g in batch])
-        lanes = sorted(((row, i) for row, group in enumerate(batch) for i in group),
-                       key=lambda lane: -_counted(requests[lane[1]]))
-        for start in range(0, len(lanes), batch_size):
-            part = lanes[start:start + batch_size]
-            pending.append(([i for _, i in part], _score_lanes(programs, params, cache, part, requests)))
+        for j in range(max(map(len, batch))):
+            lanes = [group[j] if j < len(group) else None for group in batch]
+            cache, calls = _score_lanes(programs, params, cache, [None if i is None else requests[i] for i in lanes])
+            pending.append((lanes, calls))
             done += 1
             if on_batch:
                 on_batch(done, total)
     results = [(0.0, True)] * len(requests)
-    for indices, calls in jax.device_get(pending):
-        for b, i in enumerate(indices):
-            results[i] = (sum(float(sums[b]) for sums, _ in calls), all(bool(greedy[b]) for _, greedy in calls))
+    for lanes, calls in jax.device_get(pending):
+        for row, i in enumerate(lanes):
+            if i is not None:
+                results[i] = (sum(float(sums[row]) for sums, _ in calls), all(bool(g[row]) for _, g in calls))
     return results
 
 
 def _empty_cache(model: GPT, params, rows: int):
-    """An empty cache whose every array is a buffer of its own (the read gives its cache up), on
+    """An empty cache whose every array is a buffer of its own (the programs give theirs up), on
     the device of the params, as the caches the programs return are: the programs compile once."""
     cache = jax.tree.map(jnp.copy, init_cache(model.cfg, rows))
     devices = {device for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array) for device in leaf.devices()}
@@ -282,30 +298,30 @@ def _read_contexts(programs: Engine, params, cache, contexts: list[tuple[np.ndar
     return cache
 
 
-def _score_lanes(programs: Engine, params, cache, lanes: list[tuple[int, int]], requests) -> list:
-    """The (sums, greedy) of each call that scores these lanes (context row, request index),
-    score_width counted targets a call; each window stays within the block (the last one of
-    a long lane starts earlier and reads again what its cache holds)."""
+def _score_lanes(programs: Engine, params, cache, lanes: list[tuple[np.ndarray, int] | None]):
+    """(the cache, the (sums, greedy) of each call) that score one continuation in each row
+    (None: the row has none left), score_width counted targets a call, after the context in the
+    row's slots; each window stays within the block (the last one of a long continuation starts
+    earlier and reads again what the row holds). A row done early reads its last window again."""
     width, block_size, rows = programs.score_width, cache.max_length, programs.rows
-    source = np.zeros(rows, np.int32)
-    source[:len(lanes)] = [row for row, _ in lanes]
     calls = []
-    for step in range(-(-max(_counted(requests[i]) for _, i in lanes) // width)):
+    for step in range(-(-max(_counted(lane) for lane in lanes if lane is not None) // width)):
         tokens, targets = np.zeros((2, rows, width), np.int32)
         mask, start = np.zeros((rows, width), bool), np.zeros(rows, np.int32)
-        for b, (_, i) in enumerate(lanes):
-            sequence, prefix = requests[i]
+        for row, lane in enumerate(lanes):
+            if lane is None:
+                continue  # the row's context is done with: what it reads there matters to nobody
+            sequence, prefix = lane
             end = len(sequence) - 1  # the inputs are sequence[:end], position p predicting sequence[p + 1]
             low = prefix + min(step, max(0, -(-(end - prefix) // width) - 1)) * width
-            start[b] = first = min(low, block_size - width)
+            start[row] = first = min(low, block_size - width)
             window = sequence[first:min(first + width, end) + 1]
-            tokens[b, :len(window) - 1], targets[b, :len(window) - 1] = window[:-1], window[1:]
+            tokens[row, :len(window) - 1], targets[row, :len(window) - 1] = window[:-1], window[1:]
             positions = first + np.arange(width)
-            mask[b] = (positions >= max(low, prefix + step * width)) & (positions < end)
-        cache, sums, greedy = programs.score(params, cache, source, tokens, start, targets, mask)
-        source = np.arange(rows, dtype=np.int32)  # later windows go on from the lanes' own caches
+            mask[row] = (positions >= max(low, prefix + step * width)) & (positions < end)
+        cache, sums, greedy = programs.score(params, cache, tokens, start, targets, mask)
         calls.append((sums, greedy))
-    return calls
+    return cache, calls
 
 
 def score_texts(model: GPT, params, texts: Sequence[Sequence[int]], *, batch_size: int, stride: int | None = None,

@@ -173,12 +173,13 @@ def test_eval_py_choices_gives_the_harness_accuracies(results, gpt2_run, tmp_pat
                                atol=1e-5, rtol=0)
 
 
-def test_a_task_compiles_two_scoring_programs_whatever_its_lengths(results, gpt2_run):
-    """The choices (contexts and continuations of many lengths) go through the engine's read and score, one
-    program each; the rolling texts through one program per length bucket."""
+def test_a_task_compiles_one_scoring_program_whatever_its_lengths(results, gpt2_run):
+    """The choices (contexts and continuations of many lengths) go through the engine, whose reads and scores
+    are one program when block_size ≤ 256, compiled once; the rolling texts through one program per length
+    bucket."""
     cfg = rundir.read_run(gpt2_run[0])[1]
-    programs = likelihood.engine(GPT(cfg), BATCH)
-    assert (programs.read._cache_size(), programs.score._cache_size()) == (1, 1)
+    programs = likelihood.engine(GPT(cfg), BATCH).programs
+    assert [program._cache_size() for program in programs] == [1]
     assert likelihood._scorer(GPT(cfg))._cache_size() <= 3  # buckets 16, 32, 64
 
 
@@ -194,15 +195,18 @@ def engine_cases(rng, block_size: int) -> list[tuple[list[int], list[int]]]:
     return [*pairs, (contexts[2], [])]
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_the_engine_scores_each_request_as_float64_alone(batch_size):
-    """Contexts read read_width tokens a call, continuations scored 16 a call after copies of them, the
-    windows past the block's end moved back into it: the scores and greedy flags of each (context,
-    continuation) read alone in float64 NumPy."""
-    cfg = GPTConfig(vocab_size=VOCAB, block_size=48, n_layer=2, n_head=2, d_model=32, d_ff=64, positions="rope")
+@pytest.mark.parametrize("batch_size, block_size, widths", [(1, 48, (32, 32)), (3, 48, (32, 32)), (8, 48, (32, 32)),
+                                                        (3, 400, (50, 32))])
+def test_the_engine_scores_each_request_as_float64_alone(batch_size, block_size, widths):
+    """Contexts read read_width tokens a call, then each row's continuations one after another in the slots
+    after its context, score_width tokens a call, the windows past the block's end moved back into it: the
+    scores and greedy flags of each (context, continuation) read alone in float64 NumPy."""
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=2, n_head=2, d_model=32, d_ff=64,
+                    positions="rope")
     params = random_params(cfg)
     pairs = engine_cases(np.random.default_rng(batch_size), cfg.block_size)
-    assert likelihood.widths(cfg.block_size) == (16, 16)
+    assert likelihood.widths(cfg.block_size) == widths
+    assert len(likelihood.engine(GPT(cfg), batch_size).programs) == len(set(widths))
     scores = likelihood.score_continuations(GPT(cfg), params, pairs, batch_size=batch_size)
     expected = [float64_score(cfg, params, x, c) if c else (0.0, True) for x, c in pairs]
     np.testing.assert_allclose([s for s, _ in scores], [s for s, _ in expected], rtol=1e-5, atol=1e-4)
@@ -210,18 +214,19 @@ def test_the_engine_scores_each_request_as_float64_alone(batch_size):
     assert scores[-1] == (0.0, True) and min(s for s, _ in scores[:-1]) < -100  # long continuations count
 
 
-def test_prepared_programs_serve_every_length_without_compiling():
-    """prepare compiles the two programs (and runs each once); requests of any length then compile nothing."""
-    cfg = GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=2, n_head=2, d_model=32, d_ff=64)
+@pytest.mark.parametrize("block_size", [64, 512])
+def test_prepared_programs_serve_every_length_without_compiling(block_size):
+    """prepare compiles the engine's programs (and runs each once); requests of any length then compile
+    nothing."""
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=block_size, n_layer=2, n_head=2, d_model=32, d_ff=64)
     params, model = random_params(cfg), GPT(cfg)
     likelihood.prepare(model, params, 5)
-    programs = likelihood.engine(model, 5)
-    sizes = (programs.read._cache_size(), programs.score._cache_size())
-    assert sizes == (1, 1)
+    programs = likelihood.engine(model, 5).programs
+    assert [program._cache_size() for program in programs] == [1] * (2 if block_size > 256 else 1)
     pairs = engine_cases(np.random.default_rng(0), cfg.block_size)
     done = []
     likelihood.score_continuations(model, params, pairs, batch_size=5, on_batch=lambda d, t: done.append((d, t)))
-    assert (programs.read._cache_size(), programs.score._cache_size()) == sizes
+    assert [program._cache_size() for program in programs] == [1] * len(programs)
     assert done == [(d, done[-1][1]) for d in range(1, done[-1][1] + 1)]  # each batch of continuations, in order
 
 
