@@ -1,7 +1,7 @@
 """jaxgpt as a model of the lm-evaluation-harness (the eval extra), checked against the harness's
 own transformers backend (`--model hf`) on the GPT-2 export of the same run: the per-request
 log-likelihoods, the accuracies and the greedy generations of the local tasks in
-tests/data/harness; the KV-cache engine against float64 scores of each request alone, its two
+tests/data/harness; the KV-cache engine against float64 scores of each request alone, its
 programs compiled ahead; loglikelihood_rolling against eval.py; eval.py --choices against the
 harness; every tokenizer kind; bad model_args, found before the harness builds its tasks; the
 command line."""

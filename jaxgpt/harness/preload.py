@@ -1,14 +1,14 @@
 """The run of the model "jaxgpt", loaded and its scoring programs compiled on a thread of its own.
 
 `python -m jaxgpt.harness` starts this as soon as its model_args are checked, so that the run
-loads and `jaxgpt.likelihood.prepare` compiles the programs (two, whatever the task's lengths)
+loads and `jaxgpt.likelihood.prepare` compiles the programs (two at most, whatever the lengths)
 while the harness imports itself and indexes and builds its tasks; the model, when the harness
 builds it, takes the loaded run, and its first requests wait for the compiles. A run that
 cannot be loaded (a bad step, a broken checkpoint, a stride past the block) interrupts the
 command at once, before the tasks are built, unless the model already waits for it.
 
-A model built from Python (lm_eval.simple_evaluate) loads its run itself and compiles on
-this thread while the harness builds its tasks.
+A model built from Python (lm_eval.simple_evaluate) loads its run itself, then compiles on
+such a thread while the harness builds its tasks.
 """
 
 from __future__ import annotations
