@@ -25,7 +25,9 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from jaxgpt import layout
+from jaxgpt.muon import scale_by_banked_muon, scale_by_width
 
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): optax's and modded-nanogpt's
 TrainConfig = Any  # jaxgpt.config's train section, which checks its names against OPTIMIZERS and SCHEDULES here
 
 # --- learning-rate schedules --------------------------------------------------------------
@@ -136,14 +138,21 @@ def muon_dimension_numbers(declared) -> Callable:
 
 
 def muon(train: TrainConfig, schedule: optax.Schedule, declared) -> optax.GradientTransformation:
-    """The matrix group through optax.contrib.muon (momentum β, Nesterov, muon_ns_steps
-    Newton–Schulz steps, optax's shape scaling, weight decay λ, rate lr(t)); the embed, head and
-    scalar groups through `adamw` at their own rates."""
-    matrices = optax.contrib.muon(
-        schedule, ns_steps=train.muon_ns_steps, beta=train.muon_momentum, nesterov=train.muon_nesterov,
-        weight_decay=train.weight_decay, muon_weight_dimension_numbers=muon_dimension_numbers(declared))
+    """The matrix group through Muon (momentum β, Nesterov, muon_ns_steps Newton–Schulz steps
+    over banks of same-shaped matrices, each device its share: jaxgpt.muon; optax's shape
+    scaling, weight decay λ, rate lr(t)); the embed, head and scalar groups through `adamw` at
+    their own rates. The updates are optax.contrib.muon's, and so is the state's layout (its
+    AdamW branch, which holds no parameter here, included): its checkpoints resume."""
+    matrices = optax.chain(
+        scale_by_banked_muon(declared, NS_COEFFS, train.muon_ns_steps, train.muon_momentum,
+                             nesterov=train.muon_nesterov),
+        scale_by_width(declared),
+        optax.add_decayed_weights(train.weight_decay),
+        optax.scale_by_learning_rate(schedule))
+    as_optax = optax.partition({"muon": matrices, "adam": optax.adamw(schedule)},
+                               lambda params: jax.tree.map(lambda _: "muon", params))
     labels = per_param(lambda leaf: "muon" if leaf.group == "matrix" else "adamw", declared)
-    return optax.partition({"muon": matrices, "adamw": adamw(train, schedule, declared)}, labels)
+    return optax.partition({"muon": as_optax, "adamw": adamw(train, schedule, declared)}, labels)
 
 
 OPTIMIZERS: dict[str, Callable[[TrainConfig, optax.Schedule, Any], optax.GradientTransformation]] = {

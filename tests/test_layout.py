@@ -22,7 +22,7 @@ PACKAGE = ROOT / "jaxgpt"
 LAYERS = (
     ("errors", "files", "lazy", "ops", "axes", "platforms"),  # axes: the mesh's names; platforms: JAX's
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
-    ("attention", "positions"),  # the registries of forms, kernels and positional schemes
+    ("attention", "positions", "muon"),  # registries of forms, kernels, schemes; muon: NS over banks
     ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
     ("data_config",),  # the data section of the schema
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
