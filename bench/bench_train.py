@@ -5,6 +5,7 @@
     python bench/bench_train.py --loop 3        # train.py's steady tokens/s against the step-only rate
     python bench/bench_train.py --prefetch 3    # the step-only rate with the loader against one batch reused
     python bench/bench_train.py --matmul 5      # the CPU's matmul backward (ops.dot_general) against XLA's
+    python bench/bench_train.py --optimizers 5  # the CPU speedrun's step: Muon (banks; optax's) against AdamW
 
 Each shape runs in its own process (so peak RSS is its own): the jitted train step of
 jaxgpt.training, as train.py runs it, on real Tiny Shakespeare batches from jaxgpt.data with
@@ -32,7 +33,12 @@ SHAPES = {
     "cpu_recipe": ("shakespeare_char_cpu", 12, 1, 100, {"tokens_per_sec": 25_000}),
     # batch 64 as 4 accumulated micro-batches of 16: the same update, a quarter of the memory
     "baby_gpt": ("shakespeare_char", 16, 4, 3, {"mfu": 0.75, "rss_gib": 3.5}),
+    # configs/speedrun_cpu.py's step with each optimizer (--optimizers)
+    "speedrun_muon": ("speedrun_cpu", 16, 1, 100, {}),
+    "speedrun_adamw": ("speedrun_cpu", 16, 1, 100, {}),
+    "speedrun_optax_muon": ("speedrun_cpu", 16, 1, 100, {}),
 }
+OPTIMIZER = {"speedrun_adamw": "adamw"}  # the shapes that train with another optimizer than their config's
 
 
 def load_config(name: str):
@@ -57,6 +63,9 @@ def measure(shape: str, prefetch: bool = True) -> dict:
     config_name, micro_batch, accum, steps, _ = SHAPES[shape]
     batch_size = micro_batch * accum
     config = load_config(config_name)
+    config.train.optimizer = OPTIMIZER.get(shape, config.train.optimizer)
+    if shape == "speedrun_optax_muon":
+        use_optax_muon()
     sharding.use_cpu_cores(config.mesh, [micro_batch])  # as train.py does: one device per core
     config.data.source = str(DATA)
     corpus = data.prepare(config.data)
@@ -103,6 +112,41 @@ def measure(shape: str, prefetch: bool = True) -> dict:
         "peak_gflops": peak / 1e9, "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "compile_s": compile_s, "devices": jax.device_count(),
     }
+
+
+def use_optax_muon() -> None:
+    """train.optimizer="muon" built as before its banks: optax.contrib.muon on the declarations'
+    matrices, one Newton–Schulz chain per parameter (the peer of jaxgpt.muon's banks)."""
+    import optax
+
+    from jaxgpt import optim
+
+    def optax_muon(train, schedule, declared):
+        matrices = optax.contrib.muon(
+            schedule, ns_steps=train.muon_ns_steps, beta=train.muon_momentum, nesterov=train.muon_nesterov,
+            weight_decay=train.weight_decay, muon_weight_dimension_numbers=optim.muon_dimension_numbers(declared))
+        labels = optim.per_param(lambda leaf: "muon" if leaf.group == "matrix" else "adamw", declared)
+        return optax.partition({"muon": matrices, "adamw": optim.adamw(train, schedule, declared)}, labels)
+
+    optim.OPTIMIZERS["muon"] = optax_muon
+
+
+def compare_optimizers(pairs: int, child) -> None:
+    """The CPU speedrun's step (configs/speedrun_cpu.py, 16 rows) with AdamW, Muon over banks and
+    optax.contrib.muon, in turn `pairs` times: the medians of the step times and their ratios."""
+    import statistics
+
+    names = ("speedrun_adamw", "speedrun_muon", "speedrun_optax_muon")
+    times = {name: [] for name in names}
+    for _ in range(pairs):
+        for name in names:
+            times[name].append(child(name)["ms_per_step"])
+        print("ms/step: " + ", ".join(f"{name} {times[name][-1]:.2f}" for name in names))
+    ratios = {name: statistics.median(b / a for a, b in zip(times["speedrun_adamw"], times[name])) for name in names}
+    print(f"{'optimizer':<22} {'ms/step (median)':>16} {'× AdamW (median of pairs)':>26}")
+    for name in names:
+        print(f"{name:<22} {statistics.median(times[name]):>16.2f} {ratios[name]:>26.3f}")
+    print(f"Muon over banks / AdamW ≤ 1.15: {'ok' if ratios['speedrun_muon'] <= 1.15 else 'MISSED'}")
 
 
 def recipe() -> dict:
@@ -199,6 +243,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=sorted(SHAPES) + ["recipe", "loop", "one_batch", "xla_gradient"],
                         help=argparse.SUPPRESS)
+    parser.add_argument("--optimizers", type=int, default=0, metavar="PAIRS",
+                        help="also time the CPU speedrun's step with AdamW, Muon's banks and optax's Muon, PAIRS times")
     parser.add_argument("--recipe", action="store_true", help="also train the CPU recipe for 2000 steps")
     parser.add_argument("--shapes", nargs="*", default=sorted(SHAPES))
     parser.add_argument("--loop", type=int, default=0, metavar="PAIRS",
@@ -240,6 +286,8 @@ def main() -> None:
         compare_prefetch(args.prefetch, child)
     if args.matmul:
         compare_matmul(args.matmul, child)
+    if args.optimizers:
+        compare_optimizers(args.optimizers, child)
     if args.recipe:
         r = child("recipe")
         print(f"CPU recipe, 2000 steps: val loss {r['val_loss']:.4f} (nanoGPT: 1.886; target ≤ 1.89: "
