@@ -28,7 +28,7 @@ LAYERS = (
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),
-    ("training", "decoding", "convert", "quantize"),
+    ("training", "decoding", "convert", "quantize", "micro_batch"),  # micro_batch: the rows per device a step takes
     ("evaluation", "sampling", "beam", "rundir", "likelihood"),  # likelihood: scores of continuations and texts
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
     ("opening",),  # a run opened in order: the directory, the config, its checks, the mesh, the data, the state
