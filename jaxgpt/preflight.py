@@ -155,11 +155,11 @@ def check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
     the evaluation's."""
     divisor = sharding.batch_size_divisor(mesh)
     rows, accum = train_cfg.rows_per_step, train_cfg.grad_accum
-    sizes = {"train.eval_batch_size": train_cfg.eval_batch_size}
     if train_cfg.batch_size:
-        sizes["train.batch_size"] = train_cfg.batch_size
+        sizes = {"train.batch_size": train_cfg.batch_size}
     else:
-        sizes["train.rows_per_step / train.grad_accum" if accum else "train.rows_per_step"] = rows // (accum or 1)
+        sizes = {"train.rows_per_step / train.grad_accum" if accum else "train.rows_per_step": rows // (accum or 1)}
+    sizes["train.eval_batch_size"] = train_cfg.eval_batch_size
     for name, size in sizes.items():
         if size % divisor:
             on_cpu = " (on a CPU, --config.mesh.cpu_devices sets the number of devices)"

@@ -111,6 +111,21 @@ def test_rows_per_step_the_devices_do_not_divide_is_one_line():
         plan(train(rows_per_step=500, batch_size=0, grad_accum=0), 8, STATE, ROW, 16 * GiB)
 
 
+def test_rows_the_mesh_cannot_split_are_refused_before_the_data_is_read():
+    """preflight.check_batch_sizes (run by check_sections, before the data): the rows a chosen
+    micro-batch is made of must split over the mesh's data × fsdp."""
+    from types import SimpleNamespace
+
+    from jaxgpt.preflight import check_batch_sizes
+
+    mesh = SimpleNamespace(shape={"data": 4, "fsdp": 2, "tensor": 1})
+    with pytest.raises(ValueError, match=r"^train.rows_per_step=500 must be divisible by the mesh's data×fsdp size 8"):
+        check_batch_sizes(train(rows_per_step=500, batch_size=0, grad_accum=0, eval_batch_size=8), mesh)
+    with pytest.raises(ValueError, match=r"^train.rows_per_step / train.grad_accum=250 must be divisible by the mesh"):
+        check_batch_sizes(train(rows_per_step=500, batch_size=0, grad_accum=2, eval_batch_size=8), mesh)
+    check_batch_sizes(train(rows_per_step=512, batch_size=0, grad_accum=0, eval_batch_size=8), mesh)
+
+
 def test_the_preset_takes_the_micro_batch_that_fits(capsys):
     """configs/gpt2_124m.py on this process's one CPU device with 8 GiB: the explicit kernel's
     weights counted, ROW + 12 layers × 2·12·1024 bf16 values a token = 1,036,517,376 B a row;
