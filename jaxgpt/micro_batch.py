@@ -6,12 +6,13 @@ opens, the rows each device takes at once are chosen from the device count and t
 one device, and the step is made of as many micro-batches as that leaves:
 
     W  the devices a batch's rows are split over (the mesh's data × fsdp)
-    r  rows per device: the largest divisor of R / W with  state + r · row ≤ memory  (at least 1)
+    r  rows per device: the largest divisor of R / W with  state + r · 1.02 · row ≤ memory  (at least 1)
     train.batch_size  B = r · W        train.grad_accum  k = R / B
 
 so the tokens per step are the preset's on any slice, and a slice with more memory per device
 runs fewer, larger micro-batches (fewer accumulation steps, each nearer the chip's best bound).
-`state` and `row` are estimates (state_bytes, row_bytes); `memory` is one device's (its
+`state` is the parameters' and the optimizer's (state_bytes, from their shapes), `row` an estimate
+(row_bytes, counted 2% larger: ROW_MARGIN); `memory` is one device's (its
 bytes_limit; a TPU topology's chip HBM when compiling ahead; on a CPU 90% of the RAM shared
 by its devices; train.memory_limit_gib, over all devices, overrides).
 
@@ -26,6 +27,7 @@ rows_per_step. rows_per_step = 0 (the default) is today's batch_size × grad_acc
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -36,9 +38,14 @@ from jaxgpt import ops
 from jaxgpt.attention import FORMS, KERNELS
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError
-from jaxgpt.model import param_count
+from jaxgpt.model import GPT, param_layout
+from jaxgpt.optim import make_optimizer
+from jaxgpt.training import abstract_state, init_state
 
 GiB = 2**30
+# XLA's TPU compiles of GPT-2 small kept 0.381 (v5e) and 0.411 GiB (v4) a row where row_bytes says 0.403: a
+# row is counted 2% larger when the rows are chosen (docs/SCALE.md, "The micro-batch per device")
+ROW_MARGIN = 1.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +62,22 @@ class Plan:
 # --- the memory a row and the state take ------------------------------------------------------
 
 
-def state_bytes(count: int, compute: ComputeConfig) -> float:
-    """Bytes of the parameters, their gradients and the optimizer's state: N · (3p + 8), p the
-    parameter dtype's bytes: the parameters, the gradients' sum over the micro-batches and one
-    micro-batch's gradient (jaxgpt.training.make_train_step), and AdamW's two float32 moments
-    (Muon keeps one for the matrices: this is a bound)."""
-    return count * (3 * compute.params_dtype.itemsize + 8)
+def state_bytes(cfg: GPTConfig, compute: ComputeConfig, train: TrainConfig, mesh=None) -> float:
+    """Bytes of the parameters, their gradients and the optimizer's state on one device of
+    `mesh` as training lays them out (None: all of them, whole), from their shapes
+    (training.abstract_state: nothing allocated): the parameters, twice their bytes for the
+    gradients' sum over the micro-batches and one micro-batch's gradient (both laid out as the
+    parameters: training.make_train_step), and the optimizer's state (AdamW: two moments)."""
+    gpt = GPT(cfg, compute)
+    optimizer = make_optimizer(train, param_layout(gpt))
+    if mesh is None:
+        state = jax.eval_shape(lambda: init_state(gpt, optimizer, 0))
+        size = lambda leaf: leaf.size * leaf.dtype.itemsize  # noqa: E731
+    else:
+        state = abstract_state(gpt, optimizer, mesh)
+        size = lambda leaf: math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize  # noqa: E731
+    params, opt_state = (sum(map(size, jax.tree.leaves(tree))) for tree in (state.params, state.opt_state))
+    return 3 * params + opt_state
 
 
 def block_values(cfg: GPTConfig) -> int:
@@ -80,7 +97,7 @@ def row_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
     (2·H·S values a layer, the scores and their softmax over S = min(T, window) keys; none
     for a fused kernel, under remat, or a form without weights), and the float32 logits, 4·V
     (their gradient is written over them). An estimate: XLA's TPU compiles of GPT-2 small
-    on v5e and v4 keep 0.40-0.45 GiB a row, where this says 0.40 (docs/SCALE.md)."""
+    keep 0.381 GiB a row on v5e and 0.411 on v4, where this says 0.403 (ROW_MARGIN)."""
     size = compute.compute_dtype.itemsize
     kernel = KERNELS.get(compute.kernel)  # None: auto, not yet resolved for a platform (counted as forming them)
     forms_weights = (FORMS[cfg.attention].has_weights and not (kernel and kernel.fused)
@@ -125,12 +142,12 @@ def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, me
 
 
 def rows_per_device(rows: int, state: float, row: float, memory: float | None) -> int:
-    """The largest divisor r of `rows` (a device's rows of one step) with state + r · row ≤
-    memory; 1 when none fits (the run's memory check, or the compile, says so), all of them
-    when the memory is unknown."""
+    """The largest divisor r of `rows` (a device's rows of one step) with state + r · ROW_MARGIN
+    · row ≤ memory; 1 when none fits (the run's memory check, or the compile, says so), all of
+    them when the memory is unknown."""
     if memory is None:
         return rows
-    fitting = [r for r in range(1, rows + 1) if rows % r == 0 and state + r * row <= memory]
+    fitting = [r for r in range(1, rows + 1) if rows % r == 0 and state + r * ROW_MARGIN * row <= memory]
     return max(fitting, default=1)
 
 
@@ -152,12 +169,13 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
     if not train.rows_per_step:
         return config
     ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    shards = mesh.shape["fsdp"] * mesh.shape["tensor"]
-    where = ""
-    if (memory is None or train.memory_limit_gib) and not (train.batch_size and train.grad_accum):
-        memory, where = device_memory(list(mesh.devices.flat), train)
-    choice = plan(train, ways, state_bytes(param_count(cfg), compute) / shards, row_bytes(cfg, compute), memory,
-                  where)
+    if train.batch_size or train.grad_accum:  # set: nothing to fit
+        choice = plan(train, ways)
+    else:
+        where = ""
+        if memory is None or train.memory_limit_gib:
+            memory, where = device_memory(list(mesh.devices.flat), train)
+        choice = plan(train, ways, state_bytes(cfg, compute, train, mesh), row_bytes(cfg, compute), memory, where)
     if choice.why and say:
         print(f"jaxgpt: {choice.why}", file=sys.stderr)
     if (choice.batch_size, choice.grad_accum) == (train.batch_size, train.grad_accum):
