@@ -11,10 +11,10 @@ one device, and the step is made of as many micro-batches as that leaves:
 
 so the tokens per step are the preset's on any slice, and a slice with more memory per device
 runs fewer, larger micro-batches (fewer accumulation steps, each nearer the chip's best bound).
-`state` is the parameters' and the optimizer's (state_bytes, from their shapes), `row` an estimate
-(row_bytes, counted 2% larger: ROW_MARGIN); `memory` is one device's (its
-bytes_limit; a TPU topology's chip HBM when compiling ahead; on a CPU 90% of the RAM shared
-by its devices; train.memory_limit_gib, over all devices, overrides).
+`state` is the parameters' and the optimizer's (state_bytes, from their shapes), `row` an
+estimate (row_bytes, counted 2% larger: ROW_MARGIN), `memory` one device's (its bytes_limit; a
+TPU topology's chip HBM when compiling ahead; on a CPU 90% of the RAM shared by its devices;
+train.memory_limit_gib, over all devices, overrides).
 
 An explicit setting wins: train.batch_size and train.grad_accum both set make the step
 (rows_per_step is then unused, and said so); one of them set, the other follows from
@@ -22,6 +22,7 @@ rows_per_step. rows_per_step = 0 (the default) is today's batch_size × grad_acc
 
     config = resolved(config, mesh, cfg, compute)   # when a run opens (jaxgpt.opening), the data read
     plan(train, ways, state, row, memory)           # the arithmetic alone
+    larger_note(result, grad_accum, block_size)     # jaxgpt.compile: a larger micro-batch would fit
 """
 
 from __future__ import annotations
