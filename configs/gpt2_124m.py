@@ -1,12 +1,13 @@
 """GPT-2 small (124M): 12 layers, 12 heads, d_model 768, block 1024, tied embeddings,
-bfloat16 compute with float32 parameters, ~0.5M tokens per step through gradient
-accumulation (16 rows × 1024 tokens × 32 micro-batches = 524,288). For GPUs or a TPU slice:
+bfloat16 compute with float32 parameters, ~0.5M tokens per step (512 rows × 1024 tokens =
+524,288). For GPUs or a TPU slice:
 
-    python train.py --config=configs/gpt2_124m.py --config.data.source=SOURCE \\
-        --config.mesh.fsdp=-1 --config.mesh.data=1 --config.train.grad_accum=4 --config.train.batch_size=128
+    python train.py --config=configs/gpt2_124m.py --config.data.source=SOURCE --config.mesh.fsdp=-1 --config.mesh.data=1
 
-Scale train.batch_size up and train.grad_accum down with the devices (their product × 1024
-is the tokens per step); the mesh splits rows over data × fsdp and fsdp shards the weights.
+The rows each device takes at once are chosen from the device count and the memory of one
+device (jaxgpt.micro_batch; the run says what it chose), the rest of the 512 rows by gradient
+accumulation: 32 rows per chip in 2 micro-batches on v5e-8, 64 per chip on v4-8. An explicit
+train.batch_size and train.grad_accum (their product the rows per step) win.
 """
 
 from jaxgpt.config import default_config
@@ -23,7 +24,7 @@ def get_config():
     # how it runs (any of it may change on resume): the platform's own attention kernel, flash on a TPU
     config.compute.update(kernel="auto", dtype="bfloat16", param_dtype="float32")
     config.train.update(
-        steps=600_000, batch_size=16, grad_accum=32, lr=6e-4, min_lr=6e-5,
+        steps=600_000, rows_per_step=512, batch_size=0, grad_accum=0, lr=6e-4, min_lr=6e-5,
         warmup_steps=2000, decay_steps=600_000, b1=0.9, b2=0.95, weight_decay=0.1, clip=1.0,
         eval_every=500, ckpt_every=500, log_every=10, eval_batch_size=16, eval_max_batches=200,
     )

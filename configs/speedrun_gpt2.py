@@ -1,9 +1,10 @@
 """The modern recipe at GPT-2 small's size (124M in its blocks), for FineWeb through the prepare
-path: 12 layers, 12 heads, d_model 768, block 1024, ~0.5M tokens per step (16 rows × 1024
-tokens × 32 micro-batches = 524,288), 3,250 steps (1.7B tokens).
+path: 12 layers, 12 heads, d_model 768, block 1024, ~0.5M tokens per step (512 rows × 1024
+tokens = 524,288; the rows per device chosen to fit, as in configs/gpt2_124m.py), 3,250 steps
+(1.7B tokens).
 
     python train.py --config=configs/speedrun_gpt2.py --config.data.source=SOURCE \\
-        --config.mesh.fsdp=-1 --config.mesh.data=1 --config.train.grad_accum=4 --config.train.batch_size=128
+        --config.mesh.fsdp=-1 --config.mesh.data=1
     python -m jaxgpt.compile --config=configs/speedrun_gpt2.py --topology=v5e:2x4 --config.mesh.fsdp=-1 \\
         --config.mesh.data=1 --config.train.grad_accum=4 --config.train.batch_size=128
 
@@ -31,7 +32,7 @@ def get_config():
         optimizer="muon", lr=0.05, embed_lr=0.3, head_lr=0.008, scalar_lr=0.04, min_lr=0.0,
         b1=0.8, b2=0.95, eps=1e-10, weight_decay=0.0, clip=0.0,
         schedule="wsd", warmup_steps=0, cooldown_fraction=0.4,
-        steps=3250, batch_size=16, grad_accum=32,
+        steps=3250, rows_per_step=512, batch_size=0, grad_accum=0,
         eval_every=250, ckpt_every=250, log_every=10, eval_batch_size=16, eval_max_batches=200,
     )
     config.sample.update(prompt="The", max_new_tokens=200)

@@ -66,8 +66,11 @@ class TrainConfig:
 
     seed: int = 0
     steps: int = 2000
-    batch_size: int = 12  # rows per micro-batch, over all devices
-    grad_accum: int = 1  # micro-batches per optimizer step
+    batch_size: int = 12  # rows per micro-batch, over all devices; 0: chosen from the memory (rows_per_step)
+    grad_accum: int = 1  # micro-batches per optimizer step; 0: rows_per_step / batch_size
+    # the rows of one optimizer step (over all devices and micro-batches); 0: batch_size × grad_accum. With
+    # batch_size or grad_accum 0, the micro-batch per device is chosen to fit it (jaxgpt.micro_batch)
+    rows_per_step: int = 0
     optimizer: str = "adamw"  # adamw | muon
     lr: float = 1e-3  # the peak learning rate (under muon: of the blocks' weight matrices)
     min_lr: float = 1e-4
@@ -102,12 +105,16 @@ class TrainConfig:
     memory_limit_gib: float | None = None
 
     def __post_init__(self):
-        positive = ("steps", "batch_size", "grad_accum", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
+        positive = ("steps", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
                     "keep_checkpoints", "muon_ns_steps")
         for key in positive:
             _check_train(self, is_int(getattr(self, key)) and getattr(self, key) > 0, key, "a positive integer")
         for key in ("seed", "warmup_steps"):
             _check_train(self, is_int(getattr(self, key)) and getattr(self, key) >= 0, key, "an integer ≥ 0")
+        for key in ("batch_size", "grad_accum", "rows_per_step"):
+            _check_train(self, is_int(getattr(self, key)) and getattr(self, key) >= 0, key,
+                         "a positive integer, or 0 (chosen to fit train.rows_per_step)" if key != "rows_per_step"
+                         else "an integer ≥ 0 (0: train.batch_size × train.grad_accum)")
         for key in ("decay_steps", "eval_max_batches"):
             value = getattr(self, key)
             _check_train(self, value is None or (is_int(value) and value > 0), key, "None or a positive integer")
@@ -121,8 +128,22 @@ class TrainConfig:
         for key in ("peak_flops", "memory_limit_gib"):
             value = getattr(self, key)
             _check_train(self, value is None or (is_number(value) and value > 0), key, "None or a positive number")
+        self._check_batch()
         self._check_optimizer()
         self._check_schedule()
+
+    def _check_batch(self) -> None:
+        """A 0 (chosen) batch_size or grad_accum needs rows_per_step; the one set must divide it."""
+        rows, batch, accum = self.rows_per_step, self.batch_size, self.grad_accum
+        if not rows and not (batch and accum):
+            zero = "batch_size" if not batch else "grad_accum"
+            raise ConfigError(f"train.{zero}=0 (chosen to fit) needs train.rows_per_step, the rows of one optimizer "
+                              f"step: set it (e.g. --config.train.rows_per_step=512) or give train.{zero}")
+        if rows and bool(batch) != bool(accum):
+            key, value = ("batch_size", batch) if batch else ("grad_accum", accum)
+            if rows % value:
+                raise ConfigError(f"train.rows_per_step={rows} is not a multiple of train.{key}={value}: choose a "
+                                  f"divisor of {rows}, or set both train.batch_size and train.grad_accum")
 
     def _check_optimizer(self) -> None:
         _check_train(self, self.optimizer in OPTIMIZERS, "optimizer", " or ".join(map(repr, OPTIMIZERS)))

@@ -5,7 +5,9 @@
     the checks      every section before the data is read, the model's shapes, the compute settings
     the mesh        made by those checks, with the batch sizes it must divide (preflight.check_sections)
     the data        prepared with the tokenizer, which fixes the vocabulary; a tokenizer that does not
-                    know the text refused (preflight.check_unknown); the memory (preflight.check_memory);
+                    know the text refused (preflight.check_unknown); the micro-batch per device, where
+                    train.rows_per_step leaves it to the memory (micro_batch.resolved); the memory
+                    (preflight.check_memory);
                     a resume held to the run the directory holds (rundir.check_same_run)
     the record      config.json (the config as resolved) and tokenizer.json, by the lead process
     the state       init_or_restore: the newest intact checkpoint, init_from's params, or fresh
@@ -27,7 +29,7 @@ import jax
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
-from jaxgpt import data, rundir
+from jaxgpt import data, micro_batch, rundir
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
@@ -82,6 +84,8 @@ def open_run(config, explicit: Collection[str] = ()) -> Run:
         config, tokenizer, mesh, compute = check_config(config, explicit)  # init_from, every section, the mesh
         corpus = read_corpus(config, tokenizer)  # the data: its tokenizer fixes the vocabulary
         cfg = model_config(config, corpus.tokenizer.vocab_size)
+        config = micro_batch.resolved(config, mesh, cfg, compute)  # the micro-batch per device, where it is chosen
+        train_cfg = TrainConfig.from_mapping(config.train)
         check_memory(cfg, compute, train_cfg)
         saved = rundir.check_same_run(directory, cfg, compute, corpus.tokenizer, train_cfg) if resuming else None
         resolved = {**config.to_dict(), "model": cfg.to_dict(), "compute": compute.to_dict(),

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxgpt import data, rundir, sharding, tokenizers
+from jaxgpt import data, micro_batch, rundir, sharding, tokenizers
 from jaxgpt.config import ComputeConfig, DataConfig, GPTConfig, SampleConfig, TrainConfig
 from jaxgpt.errors import ConfigError, DataError
 from jaxgpt.evaluation import id_share
@@ -114,21 +114,17 @@ def check_unknown(config, corpus: data.Corpus) -> None:
 
 
 def check_memory(cfg: GPTConfig, compute: ComputeConfig, train_cfg: TrainConfig) -> None:
-    """Refuse, before anything is allocated, a run that cannot fit: the parameters, their
-    gradients and the two AdamW moments (float32), plus one micro-batch's activations (per
-    layer ≈ (34·d + 5·H·T) half-precision values per token, the large-model estimate of
-    Korthikanti et al., and the logits with their softmax and gradient, 3·V float32 values per
-    token), against the devices' memory together, or on a CPU 90% of the RAM
-    (train.memory_limit_gib overrides either). An estimate, to stop the impossible early."""
+    """Refuse, before anything is allocated, a run that cannot fit: the parameters with their
+    gradients and optimizer state (micro_batch.state_bytes), plus one micro-batch's
+    activations (micro_batch.row_bytes a row), against the devices' memory together, or on a
+    CPU 90% of the RAM (train.memory_limit_gib overrides either). An estimate, to stop the
+    impossible early; the estimate the micro-batch is chosen by, so a chosen one passes."""
     count = param_count(cfg)
-    state = count * (2 * compute.params_dtype.itemsize + 2 * 4)
-    per_token = (cfg.n_layer * (34 * cfg.d_model + 5 * cfg.n_head * cfg.block_size) * compute.compute_dtype.itemsize / 2
-                 + 3 * cfg.vocab_size * 4)
-    need = state + train_cfg.batch_size * cfg.block_size * per_token
+    need = micro_batch.state_bytes(cfg, compute, train_cfg) + train_cfg.batch_size * micro_batch.row_bytes(cfg, compute)
     limit, where = _memory_limit(train_cfg)
     if limit and need > limit:
         raise ConfigError(f"the run needs about {_size(need)} ({count:,} parameters with their gradients "
-                          f"and AdamW state, and the activations of {train_cfg.batch_size} rows of "
+                          f"and optimizer state, and the activations of {train_cfg.batch_size} rows of "
                           f"{cfg.block_size} tokens), more than the {_size(limit)} of {where}: make the model "
                           "or the micro-batch smaller (model.vocab_size, n_layer, d_model; train.batch_size with "
                           "train.grad_accum), or set train.memory_limit_gib")
@@ -154,9 +150,18 @@ def _memory_limit(train_cfg: TrainConfig) -> tuple[float | None, str]:
 
 
 def check_batch_sizes(train_cfg: TrainConfig, mesh: Mesh) -> None:
+    """ValueError unless the mesh's data × fsdp divides each batch: the micro-batch (where it is
+    chosen to fit, the rows it is made of: rows_per_step, or rows_per_step / grad_accum) and
+    the evaluation's."""
     divisor = sharding.batch_size_divisor(mesh)
-    for name in ("batch_size", "eval_batch_size"):
-        if getattr(train_cfg, name) % divisor:
+    rows, accum = train_cfg.rows_per_step, train_cfg.grad_accum
+    if train_cfg.batch_size:
+        sizes = {"train.batch_size": train_cfg.batch_size}
+    else:
+        sizes = {"train.rows_per_step / train.grad_accum" if accum else "train.rows_per_step": rows // (accum or 1)}
+    sizes["train.eval_batch_size"] = train_cfg.eval_batch_size
+    for name, size in sizes.items():
+        if size % divisor:
             on_cpu = " (on a CPU, --config.mesh.cpu_devices sets the number of devices)"
-            raise ValueError(f"train.{name}={getattr(train_cfg, name)} must be divisible by the mesh's data×fsdp "
-                             f"size {divisor}" + (on_cpu if jax.default_backend() == "cpu" else ""))
+            raise ValueError(f"{name}={size} must be divisible by the mesh's data×fsdp size {divisor}"
+                             + (on_cpu if jax.default_backend() == "cpu" else ""))

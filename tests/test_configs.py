@@ -19,7 +19,8 @@ def test_config_builds_its_model(path):
     cfg = model_config(config, vocab_size=config.data.vocab_size or 65)
     shapes = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
     assert sum(x.size for x in jax.tree.leaves(shapes)) == param_count(cfg)
-    assert config.train.batch_size > 0 and config.train.steps > config.train.warmup_steps
+    assert config.train.batch_size > 0 or config.train.rows_per_step > 0  # rows_per_step: chosen to fit
+    assert config.train.steps > config.train.warmup_steps
 
 
 def test_presets_match_their_recipes():
@@ -31,7 +32,7 @@ def test_presets_match_their_recipes():
     assert (train.batch_size, train.steps, train.lr, train.min_lr, train.b2) == (12, 2000, 1e-3, 1e-4, 0.99)
     assert not cpu.model.bias and cpu.model.dropout == 0.0
     gpt2 = configs["gpt2_124m"]
-    assert gpt2.train.batch_size * gpt2.train.grad_accum * gpt2.model.block_size == 524_288
+    assert gpt2.train.rows_per_step * gpt2.model.block_size == 524_288  # the micro-batch chosen to fit (micro_batch)
     assert gpt2.compute.dtype == "bfloat16" and gpt2.compute.param_dtype == "float32"
 
 

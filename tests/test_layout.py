@@ -29,7 +29,8 @@ LAYERS = (
     ("cli",),
     ("data", "model"),
     ("training", "decoding", "convert", "quantize"),
-    ("evaluation", "sampling", "beam", "rundir", "likelihood"),  # likelihood: scores of continuations and texts
+    # likelihood: scores of continuations and texts; micro_batch: the rows per device a step takes
+    ("evaluation", "sampling", "beam", "rundir", "likelihood", "micro_batch"),
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
     ("opening",),  # a run opened in order: the directory, the config, its checks, the mesh, the data, the state
     ("run", "completions", "choices"),  # choices: multiple-choice items scored, the harness's accuracies

@@ -360,11 +360,12 @@ def test_an_impossible_model_is_refused_before_anything_is_allocated(tmp_path, c
     from jaxgpt.errors import ConfigError
     from jaxgpt.run import train
 
-    # 16e9 parameters × 16 B (each with its gradient and two moments) + 64 tokens × 3·1e9 float32 logits ≈ 1.024e12 B
-    with pytest.raises(ConfigError, match=r"the run needs about 954 GiB .* set train.memory_limit_gib"):
+    # 16e9 parameters × 20 B (each, float32, with two gradients and two moments) + 64 tokens × 4·1e9 bytes of
+    # float32 logits ≈ 5.76e11 B = 536 GiB
+    with pytest.raises(ConfigError, match=r"the run needs about 536 GiB .* set train.memory_limit_gib"):
         train(tiny_config(tmp_path, corpus, **{"model.vocab_size": 1_000_000_000}))
-    # sizes in the unit that shows them: 1e-6 GiB is 1,074 bytes; the tiny model needs 4,240 × 16 B of state and
-    # 64 tokens × (3·V + …) float32 values: some hundreds of KiB
+    # sizes in the unit that shows them: 1e-6 GiB is 1,074 bytes; the tiny model needs 4,240 × 20 B of state and
+    # 64 tokens × (4·V + …) bytes: some hundreds of KiB
     with pytest.raises(ConfigError, match=r"needs about \d{3} KiB .*more than the 1\.0 KiB of "
                                           r"train.memory_limit_gib=1e-06: make the model"):
         train(tiny_config(tmp_path, corpus, **{"train.memory_limit_gib": 1e-6}))

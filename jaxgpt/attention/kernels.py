@@ -106,7 +106,9 @@ class Kernel:
     dropout: it forms the weights and calls on_weights, so attention dropout applies.
     bias: it adds bias_of's bias to the scores (ALiBi's). window: it keeps to a Where's
     sliding window (attention='local'). segments: it keeps packed examples apart (a Where's
-    segments). dtypes: the compute dtypes it computes in; None: any."""
+    segments). dtypes: the compute dtypes it computes in; None: any. fused: the (T, S) weights
+    never reach memory (a fused kernel), so a train step keeps none of them per layer
+    (jaxgpt.micro_batch.row_bytes)."""
 
     fn: Callable
     backend: str | None
@@ -115,6 +117,7 @@ class Kernel:
     window: bool
     segments: bool
     dtypes: tuple[str, ...] | None = None
+    fused: bool = False
 
     def __call__(self, q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
         return self.fn(q, k, v, where, bias_of, on_weights)
@@ -133,8 +136,9 @@ KERNELS = {
     "explicit": Kernel(explicit, backend=None, dropout=True, bias=True, window=True, segments=True),
     "blocked": Kernel(blocked, backend=None, dropout=True, bias=True, window=True, segments=True),
     "xla": Kernel(xla, backend=None, dropout=False, bias=True, window=True, segments=True),
-    "cudnn": Kernel(cudnn, backend="gpu", dropout=False, bias=True, window=True, segments=True, dtypes=HALF),
-    "flash": Kernel(flash, backend="tpu", dropout=False, bias=True, window=True, segments=True),
+    "cudnn": Kernel(cudnn, backend="gpu", dropout=False, bias=True, window=True, segments=True, dtypes=HALF,
+                    fused=True),
+    "flash": Kernel(flash, backend="tpu", dropout=False, bias=True, window=True, segments=True, fused=True),
 }
 AUTO = "auto"  # a compute setting too: the kernel of the platform the program is compiled for (for_platform)
 # the kernels 'auto' prefers on each platform, best first; explicit, which does everything, last
