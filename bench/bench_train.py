@@ -142,7 +142,8 @@ def compare_optimizers(pairs: int, child) -> None:
         for name in names:
             times[name].append(child(name)["ms_per_step"])
         print("ms/step: " + ", ".join(f"{name} {times[name][-1]:.2f}" for name in names))
-    ratios = {name: statistics.median(b / a for a, b in zip(times["speedrun_adamw"], times[name])) for name in names}
+    ratios = {name: statistics.median(b / a for a, b in zip(times["speedrun_adamw"], times[name], strict=True))
+              for name in names}
     print(f"{'optimizer':<22} {'ms/step (median)':>16} {'× AdamW (median of pairs)':>26}")
     for name in names:
         print(f"{name:<22} {statistics.median(times[name]):>16.2f} {ratios[name]:>26.3f}")

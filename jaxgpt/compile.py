@@ -202,7 +202,7 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
     process's), built by the functions train.py uses."""
     import jax
 
-    from jaxgpt import opening, preflight, run, sharding
+    from jaxgpt import micro_batch, opening, preflight, run, sharding
     from jaxgpt.config import TrainConfig
     from jaxgpt.model import GPT, flops_per_token, param_layout
     from jaxgpt.optim import make_optimizer
@@ -211,6 +211,8 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
     mesh = sharding.make_mesh(config.mesh, devices)
     platform = mesh.devices.flat[0].platform
     cfg, compute = model_of(config), opening.compute_config(config, platform)
+    chip = chip_of(list(mesh.devices.flat))[1]
+    config = micro_batch.resolved(config, mesh, cfg, compute, chip.hbm if chip else None)
     train_cfg = TrainConfig.from_mapping(config.train)
     preflight.check_batch_sizes(train_cfg, mesh)
     gpt, packed = GPT(cfg, compute), config.data.format == "records"
@@ -391,19 +393,25 @@ def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
     """Compile the config's programs for `devices` and gather their figures (see figures)."""
     import jax
 
+    from jaxgpt import micro_batch
+
     devices = list(jax.devices()) if devices is None else devices
     mesh, programs = compile_programs(config, devices)
     chip_name, chip = chip_of(devices)
-    return {"where": where or f"{len(devices)} local {jax.default_backend()} device(s)", "chip": chip_name,
+    result = {"where": where or f"{len(devices)} local {jax.default_backend()} device(s)", "chip": chip_name,
             "devices": len(devices), "processes": len({d.process_index for d in devices}),
             "mesh": dict(mesh.shape), "chip_figures": dataclasses.asdict(chip) if chip else None,
             "programs": {p.name: figures(p, chip, len(devices)) for p in programs}}
+    result["larger_micro_batch"] = micro_batch.larger_note(result, programs[0].loop, config.model.block_size)
+    return result
 
 
 def print_and_check(result: dict, json_path: str | None = None) -> int:
     """Print the table (and write --json); 2 with a one-line error when the train step does
     not fit the chip's HBM, else 0."""
     print(format_report(result))
+    if result.get("larger_micro_batch"):
+        print(f"jaxgpt.compile: {result['larger_micro_batch']}", file=sys.stderr)
     if json_path:
         try:
             Path(json_path).write_text(json.dumps(result, indent=1) + "\n")

@@ -278,8 +278,9 @@ def tpu_report(tmp_path, topology: str, *argv) -> dict:
                            *TINY, *argv], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "train step" in done.stdout and "roofline" in done.stdout
-    assert not done.stderr.strip(), done.stderr[-3000:]  # libtpu's start-up complaints kept out of sight
-    return json.loads(out.read_text())
+    # libtpu's start-up complaints kept out of sight; jaxgpt's own line on a larger micro-batch may show
+    assert all(line.startswith("jaxgpt.compile: ") for line in done.stderr.splitlines()), done.stderr[-3000:]
+    return json.loads(out.read_text()) | {"stderr": done.stderr}
 
 
 # the train step of one v5e:2x4 slice on three meshes of its 8 chips, the batch the same
@@ -343,6 +344,8 @@ def test_compiles_for_a_v5e_slice(tmp_path):
     train = report["programs"]["train step"]
     assert train["parameters"] == expected_param_bytes(1) and train["fits"] and train["hbm"] == 16 * 2**30
     assert 0 < train["mfu_bound"] < 1 and train["collectives"]["all-reduce"]["count"] >= 1
+    # 16 rows in 2 micro-batches of a tiny model on 16 GiB chips: the whole batch in one would fit
+    assert "rows per device would fit too" in report["stderr"] and "--config.train.grad_accum=1" in report["stderr"]
 
 
 def test_compiles_for_a_multi_host_v5p_slice(tmp_path):
