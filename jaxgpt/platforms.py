@@ -22,6 +22,7 @@ where the user chose (JAX_PLATFORMS).
 from __future__ import annotations
 
 import glob
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -95,7 +96,7 @@ def skip_absent_gpu(environ=os.environ, modules=sys.modules) -> bool:
     cuda_modules = (*GPU_PLUGINS["cuda"], *CUDA_PJRT)
     if _cuda_requested(environ) or nvidia_gpu_present() or any(name in modules for name in cuda_modules):
         return False
-    if not any(importlib.util.find_spec(name) for name in GPU_PLUGINS["cuda"]):
+    if not any(importlib.machinery.PathFinder.find_spec(name) for name in GPU_PLUGINS["cuda"]):  # on sys.path
         return False
     for name in GPU_PLUGINS["cuda"]:
         modules[name] = None  # `import name` raises ImportError, which JAX takes for "not installed"
