@@ -14,12 +14,14 @@ import ctypes.util
 import importlib.util
 import os
 import re
+import shutil
 import sys
 
 from jaxgpt import gpus, platforms
 from jaxgpt.errors import ConfigError, one_line, stderr_kept
 
-# what compiling for a GPU needs: module → the package that brings it (all three: the gpu extra)
+# what compiling for a GPU needs: module → the package that brings it (all three: the gpu extra; ptxas may
+# also be a CUDA toolkit's, on the PATH)
 NEEDED = {"jax_cuda12_plugin": "jax-cuda12-plugin", "jax_plugins.xla_cuda12": "jax-cuda12-pjrt",
           "nvidia.cuda_nvcc": "nvidia-cuda-nvcc-cu12 (ptxas)"}
 CUDNN_INSTALL = "pip install 'nvidia-cudnn-cu12>=9.8,<10'"
@@ -37,7 +39,8 @@ def open_plugin(name: str) -> None:
         raise ValueError(f"compiling for the GPU topology {name} needs JAX's CUDA plugin, which this process "
                          "kept out (no NVIDIA GPU here) before JAX was imported: describe the topology first, "
                          f"in a process that has not imported JAX (python -m jaxgpt.compile --topology={name})")
-    missing = [package for module, package in NEEDED.items() if not _findable(module)]
+    missing = [package for module, package in NEEDED.items()
+               if not _findable(module) and not (module == "nvidia.cuda_nvcc" and shutil.which("ptxas"))]
     if missing:
         raise ValueError(f"compiling for the GPU topology {name} needs the gpu extra ({', '.join(missing)} "
                          f"not installed): {gpus.INSTALL}")

@@ -125,6 +125,7 @@ def test_without_the_extra_the_message_is_its_install_line(monkeypatch):
     the install line, before JAX would load anything."""
     monkeypatch.setattr(platforms, "let_cuda_plugin_in", lambda: True)
     monkeypatch.setitem(sys.modules, "nvidia.cuda_nvcc", None)  # `import nvidia.cuda_nvcc` fails: not installed
+    monkeypatch.setenv("PATH", "")  # and no CUDA toolkit's ptxas either
     with pytest.raises(ValueError) as error:
         compile_gpu.open_plugin("h100:8")
     message = str(error.value)
