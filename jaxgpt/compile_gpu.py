@@ -111,12 +111,17 @@ def attention_without_cudnn(config, name: str) -> str | None:
 
 def compiler_notes(lines: list[str]) -> list[str]:
     """The report's notes from what the GPU compiler wrote to standard error (kept out of sight
-    while compiling): each message once, as 'XLA: …' (e.g. a sort it compiles without the
-    device's CUB data, slower on the GPU than what the GPU would compile). The CUDA driver
-    stub's complaints of no GPU are left out."""
-    notes = []
+    while compiling): each message once, its continuation lines joined to it, as 'XLA: …' (e.g.
+    a sort compiled without the device's CUB data, slower on the GPU than what it would compile
+    there). The CUDA driver stub's complaints of no GPU are left out."""
+    messages: list[str] = []
     for line in lines:
-        message = " ".join(_ABSL_LINE.sub("", line).split())
+        if _ABSL_LINE.match(line) or any(noise in line for noise in _STUB_NOISE) or not messages:
+            messages.append(_ABSL_LINE.sub("", line))
+        else:  # a message's next line
+            messages[-1] += " " + line
+    notes = []
+    for message in (" ".join(m.split()) for m in messages):
         if message and not any(noise in message for noise in _STUB_NOISE) and f"XLA: {message}" not in notes:
             notes.append(f"XLA: {message}")
     return notes
