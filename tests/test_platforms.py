@@ -95,3 +95,16 @@ def test_a_process_without_a_gpu_runs_as_without_the_cuda_plugin():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split(maxsplit=1) == ["cpu", "[]\n"] and done.stderr == ""
+
+
+@pytest.mark.parametrize("cli", ["train.py", "sample.py", "eval.py", "tests/conftest.py"])
+def test_the_commands_import_jaxgpt_before_jax(cli):
+    """`import jax` loads the CUDA plugin's kernels, whose driver stub complains where no GPU is:
+    jaxgpt must come first to keep them out (skip_absent_gpu), so it does in every command."""
+    import ast
+
+    found = [alias.name.split(".")[0] if isinstance(node, ast.Import) else (node.module or "").split(".")[0]
+             for node in ast.parse((ROOT / cli).read_text()).body if isinstance(node, (ast.Import, ast.ImportFrom))
+             for alias in node.names]
+    ours = [name for name in found if name in ("jax", "jaxgpt")]
+    assert ours and ours[0] == "jaxgpt", f"{cli} imports {ours[0] if ours else 'neither'} first"
