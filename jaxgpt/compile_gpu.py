@@ -32,8 +32,8 @@ _STUB_NOISE = ("All log messages before absl::InitializeLog()", "Could not find 
 def open_plugin(name: str) -> None:
     """Ready this process to describe the GPU topology `name`: the name checked (ValueError
     listing the known ones), the CUDA plugin let in and found installed (ValueError with the
-    install line), JAX on the CPU where no GPU is, and JAX imported quietly. Call it before
-    anything imports JAX."""
+    install line), JAX on the CPU where no GPU is, and JAX imported quietly. Where no GPU is,
+    call it before anything imports JAX."""
     gpus.parse(name)
     if not platforms.let_cuda_plugin_in():
         raise ValueError(f"compiling for the GPU topology {name} needs JAX's CUDA plugin, which this process "
@@ -44,7 +44,7 @@ def open_plugin(name: str) -> None:
     if missing:
         raise ValueError(f"compiling for the GPU topology {name} needs the gpu extra ({', '.join(missing)} "
                          f"not installed): {gpus.INSTALL}")
-    if not platforms.nvidia_gpu_present():
+    if not platforms.nvidia_gpu_present() and "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend of their own
     with stderr_kept() as noise:
         try:
@@ -63,10 +63,9 @@ def _findable(module: str) -> bool:
 
 def topology_devices(name: str) -> list:
     """The devices of the GPU topology `name`, all of its hosts', compile-only (open_plugin
-    first, where JAX is not imported yet)."""
+    first: in a process without a GPU, before anything imports JAX)."""
     gpu, hosts, per_host = gpus.parse(name)
-    if "jax" not in sys.modules:
-        open_plugin(name)
+    open_plugin(name)
     import jax
     from jax.experimental import topologies
 
