@@ -27,6 +27,9 @@ formatted by a template is answered greedily unless --temperature is given.
 
 from __future__ import annotations
 
+# isort: off
+import jaxgpt  # noqa: F401  (before JAX: keeps an accelerator's plugin this machine cannot use out, jaxgpt.platforms)
+# isort: on
 import argparse
 import json
 import sys

@@ -17,9 +17,10 @@ before the first step (20 batches of each split) and one step (it saves no check
 step 1), --repeat times.
 
 With --other_python PATH (the Python of another install of jaxgpt, e.g. one without the tpu
-extra): the warm runs alternate between this Python and that one, and the table compares
+or gpu extra): the warm runs alternate between this Python and that one, and the table compares
 them, with the lines of library noise each printed on standard error (libtpu's start-up
-complaints, absl's E0000 lines, warnings, tracebacks).
+complaints, CUDA's driver stub's "Could not find cuda drivers", absl's E0000 lines, warnings,
+tracebacks).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def jaxgpt_run(text: Path, run_dir: Path, cache: Path, sample: bool, log_compile
 
 
 STDERR: dict[str, list[str]] = {}  # each Python's runs' lines of standard error that are a library's noise
-NOISE = re.compile(r"(?i)tpu|^[EWF]\d{4} |WARNING|Traceback")  # libtpu's, absl's and Python's
+NOISE = re.compile(r"(?i)tpu|cuda|^[EWF]\d{4} |WARNING|Traceback")  # libtpu's, CUDA's, absl's and Python's
 
 
 def compared(text: Path, run_dir: Path, cache: Path, other: str, repeat: int) -> list[list[str]]:

@@ -4,9 +4,12 @@ The names below are imported when first used, so that `import jaxgpt.tokenizers`
 data-preparation worker) does not start JAX."""
 
 from jaxgpt.lazy import lazy_exports
-from jaxgpt.platforms import skip_absent_tpu
+from jaxgpt.platforms import skip_absent_gpu, skip_absent_tpu
 
-skip_absent_tpu()  # libtpu installed on a machine without a TPU: JAX starts no TPU backend (jaxgpt.platforms)
+# an accelerator's library installed on a machine without the accelerator: JAX starts no backend for it,
+# and the CUDA plugin is not even loaded (jaxgpt.platforms)
+skip_absent_gpu()
+skip_absent_tpu()
 
 _EXPORTS = {
     "GPTConfig": "jaxgpt.model_config", "ComputeConfig": "jaxgpt.model_config",

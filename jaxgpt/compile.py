@@ -6,19 +6,20 @@
 The train step exactly as train.py builds it (run.lower_train_step: its mesh, grad_accum,
 remat, dtype, attention kernel, scan_layers), the eval step as evaluation.py jits it, and
 the jitted generate with its KV cache (one prompt of one bucket), each compiled for a TPU
-topology through libtpu (no TPU needed, however many hosts it has) or, with no --topology
+topology through libtpu or a GPU one through JAX's CUDA plugin (no TPU or GPU needed, however
+many hosts it has: jaxgpt.compile_gpu) or, with no --topology
 (or `train.py --config.compile_only=True`), for this process's devices (on a CPU,
 mesh.cpu_devices of them, as train.py makes them). Nothing is
 allocated: the state is abstract_state's shapes. One table per device: the memory of each
 program (the parts XLA allocates and their sum, and XLA's peak beside them: memory_figures)
 against the chip's HBM, XLA's FLOPs and bytes accessed, a roofline bound on the time (the larger of
 FLOPs / peak and bytes / bandwidth) with the tokens/s and MFU it allows (upper bounds from
-the compiler's counts), and the collectives of the compiled program by kind.
+the compiler's counts; XLA has none for GPUs, where the bound on the time is the model's FLOP
+count at the GPU's peak instead), and the collectives of the compiled program by kind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -26,11 +27,12 @@ import math
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from jaxgpt import compile_gpu, gpus
 from jaxgpt.compile_table import GiB, format_report, size
+from jaxgpt.errors import stderr_kept
 from jaxgpt.platforms import tpu_present
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
@@ -39,9 +41,10 @@ INSTALL = "pip install -e '.[tpu]'"
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    hbm: int  # bytes per chip
+    hbm: int  # bytes per chip a program may use
     flops: float  # bfloat16 peak, FLOP/s
     bandwidth: float  # HBM, bytes/s
+    memory: int | None = None  # a GPU's whole memory, of which JAX's allocator gives XLA hbm
 
 
 CHIPS = {
@@ -70,13 +73,17 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "c64": 64, "c128": 128}
 
 
 def known_topologies() -> str:
-    return ", ".join(f"{chip}:{{{'|'.join(shapes)}}}" for chip, shapes in TOPOLOGIES.items())
+    tpus = ", ".join(f"{chip}:{{{'|'.join(shapes)}}}" for chip, shapes in TOPOLOGIES.items())
+    return f"{tpus}, {gpus.known_topologies()}"
 
 
 def topology_devices(name: str, chips_per_host: str | None = None) -> list:
     """The devices of a TPU topology such as 'v5e:2x4', all of its hosts', from libtpu's
-    description of it (no TPU needed). chips_per_host ('2x4'): the chips of one host, for a
-    topology laid out other than libtpu's default (2x2 chips per host)."""
+    description of it (no TPU needed), or of a GPU one such as 'h100:8' (compile_gpu).
+    chips_per_host ('2x4'): the chips of one TPU host, for a topology laid out other than
+    libtpu's default (2x2 chips per host)."""
+    if gpus.is_gpu_topology(name):
+        return compile_gpu.topology_devices(name)
     chip, _, shape = name.partition(":")
     if shape not in TOPOLOGIES.get(chip, ()):  # checked first: a malformed name can abort libtpu
         raise ValueError(f"unknown topology {name!r}: known are {known_topologies()}")
@@ -101,35 +108,11 @@ def topology_devices(name: str, chips_per_host: str | None = None) -> list:
                          f"{' '.join(str(error).split())[:300]} {noise.text()[-300:]}") from None
 
 
-class stderr_kept(contextlib.AbstractContextManager):
-    """What this process (its C++ libraries too) writes to standard error inside the block,
-    kept in a file instead of printed: text() reads it. Not enabled: printed as usual."""
-
-    def __init__(self, enabled: bool = True):
-        self._file = tempfile.TemporaryFile()
-        self._saved = os.dup(2) if enabled else None
-
-    def __enter__(self):
-        if self._saved is not None:
-            sys.stderr.flush()
-            os.dup2(self._file.fileno(), 2)
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is not None:
-            sys.stderr.flush()
-            os.dup2(self._saved, 2)
-            os.close(self._saved)
-        return False
-
-    def text(self) -> str:
-        self._file.seek(0)
-        return " ".join(self._file.read().decode(errors="replace").split())
-
-
 def chip_of(devices) -> tuple[str | None, Chip | None]:
-    """(name, figures) of the devices' chip; for a device that is not a known TPU, its kind
-    and its memory where JAX reports it (no FLOP/s or bandwidth: no roofline)."""
+    """(name, figures) of the devices' chip. A known GPU: the memory JAX gives XLA (its
+    allocator's limit where the device reports one, else gpus.memory_fraction of the GPU's)
+    and its peak. Any other: its kind and its memory where JAX reports it (no FLOP/s or
+    bandwidth: no roofline)."""
     kind = devices[0].device_kind
     if kind in DEVICE_KINDS:
         return DEVICE_KINDS[kind], CHIPS[DEVICE_KINDS[kind]]
@@ -137,6 +120,10 @@ def chip_of(devices) -> tuple[str | None, Chip | None]:
         limit = (devices[0].memory_stats() or {}).get("bytes_limit")
     except Exception:  # noqa: BLE001 - a CPU or a topology's device may have no stats at all
         limit = None
+    for name, gpu in gpus.GPUS.items():
+        if gpu.device_kind == kind:
+            memory = limit or int(gpu.device_memory_size * gpus.memory_fraction())
+            return name, Chip(memory, gpu.bf16_flops, gpu.memory_bandwidth, gpu.device_memory_size)
     return kind, Chip(limit, 0.0, 0.0) if limit else None
 
 
@@ -370,21 +357,29 @@ def memory_figures(program: Program) -> dict[str, Any]:
 
 
 def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]:
-    """The report of one program, per device: its memory (memory_figures), XLA's counts."""
-    cost = program.compiled.cost_analysis()
+    """The report of one program, per device: its memory (memory_figures), XLA's counts and
+    the bounds they allow. Where XLA has no cost analysis (a GPU), the counts are None and the
+    time is bounded by the model's FLOPs at the chip's peak instead (bound_from 'model_flops')."""
+    try:
+        cost = program.compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - XLA: "GetCostAnalysis is not supported" (some GPU builds)
+        cost = None
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    counted = "flops" in cost
     result = {**memory_figures(program),
-              "flops": program.loop * float(cost.get("flops", 0.0)),
-              "bytes_accessed": program.loop * float(cost.get("bytes accessed", 0.0)),
+              "flops": program.loop * float(cost["flops"]) if counted else None,
+              "bytes_accessed": program.loop * float(cost.get("bytes accessed", 0.0)) if counted else None,
+              "bound_from": "xla_counts" if counted else "model_flops",
               "tokens": program.tokens, "collectives": collectives(program.compiled.as_text())}
     total = result["total"]
     if chip and chip.hbm:
         result.update(hbm=chip.hbm, fits=total <= chip.hbm, margin=chip.hbm - total)
-    if chip and chip.flops and program.tokens:
-        bound = max(result["flops"] / chip.flops, result["bytes_accessed"] / chip.bandwidth)
+    if chip and chip.flops and program.tokens and (counted or program.model_flops):
+        bound = (max(result["flops"] / chip.flops, result["bytes_accessed"] / chip.bandwidth) if counted
+                 else program.model_flops / (chip.flops * devices))
         result["roofline_seconds"] = bound
         result["tokens_per_second_bound"] = program.tokens / bound if bound else None
-        if program.model_flops is not None and bound:
+        if counted and program.model_flops is not None and bound:
             result["mfu_bound"] = program.model_flops / bound / (chip.flops * devices)
     return result
 
@@ -456,7 +451,6 @@ def check_writable(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxgpt.cli import parse_config
     from jaxgpt.compile_args import parse_args, usage, wants_help
     from jaxgpt.errors import one_line, tidy_cli_output
 
@@ -466,17 +460,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         options, config_argv = parse_args(argv)
+        topology, notes = options.get("topology"), []
+        gpu = bool(topology) and gpus.is_gpu_topology(topology)
+        if gpu:
+            compile_gpu.open_plugin(topology)  # before JAX is imported (the config's modules import it)
+        from jaxgpt.cli import parse_config
+
         config = parse_config(config_argv, DEFAULT_CONFIG)
         if "json" in options:
             check_writable(options["json"])
         tidy_cli_output()
-        topology = options.get("topology")
-        devices = topology_devices(topology, options.get("chips_per_host")) if topology else local_devices(config)
-        result = report(config, devices, f"TPU topology {topology}" if topology else None)
+        if gpu and (note := compile_gpu.attention_without_cudnn(config, topology)):
+            notes.append(note)
+        with stderr_kept(enabled=gpu) as compiler:  # XLA's GPU compiler warns on stderr: its warnings become notes
+            devices = topology_devices(topology, options.get("chips_per_host")) if topology else local_devices(config)
+            result = report(config, devices, f"{'GPU' if gpu else 'TPU'} topology {topology}" if topology else None)
+        notes.extend(compile_gpu.compiler_notes(compiler.lines()) if gpu else ())
     except ValueError as error:
         print(f"jaxgpt.compile: {one_line(error, limit=2000)}", file=sys.stderr)
         return 2
-    return print_and_check(result, options.get("json"))
+    return print_and_check({**result, "notes": notes}, options.get("json"))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 
 from jaxgpt.errors import ConfigError
+from jaxgpt.gpus import is_gpu_topology
 
 OPTIONS = ("--topology", "--chips_per_host", "--json")  # the command's own, each taking a value
 HELP = ("-h", "--help")
@@ -20,17 +21,20 @@ USAGE = f"""usage: {PROGRAM} [--config=FILE] [--config.KEY=VALUE ...] [--topolog
        [--chips_per_host=AxB] [--json=PATH]
 
 Compile a config's train step, eval step and generate without running them, and print per
-device their memory, XLA's FLOPs and bytes, a roofline bound and their collectives.
+device their memory, XLA's FLOPs and bytes, a roofline bound and their collectives (for a
+GPU: memory and collectives, and a bound from the model's FLOP count; XLA has no cost analysis).
 
 options (each also written --option VALUE):
   --config=FILE            a configs/*.py file (default: configs/default.py)
   --config.KEY=VALUE       override one key of the config, e.g. --config.mesh.fsdp=8,
                            --config.model.vocab_size 50304, --config.data.cache_dir=None
-  --topology=CHIP:SHAPE    compile for a TPU topology through libtpu, no TPU needed, one of
+  --topology=CHIP:SHAPE    compile for a TPU topology through libtpu, or a GPU one (N GPUs
+                           on one host, or HOSTSxN) through JAX's CUDA plugin (the gpu extra),
+                           no TPU or GPU needed, one of
 {{topologies}}
                            without it: for this process's devices (on a CPU,
                            --config.mesh.cpu_devices=N of them)
-  --chips_per_host=AxB     the chips of one host, for a topology laid out other than
+  --chips_per_host=AxB     the chips of one TPU host, for a topology laid out other than
                            libtpu's default (2x2 chips per host)
   --json=PATH              also write the report to PATH as JSON
   -h, --help               print this and exit
@@ -42,7 +46,7 @@ class UsageError(ConfigError):
 
 
 def usage(topologies: str) -> str:
-    """The usage text, listing `topologies` (the known TPU topologies, 'v5e:{2x2|2x4}, …'),
+    """The usage text, listing `topologies` (the known ones, 'v5e:{2x2|2x4}, …, h100:{1|8}, …'),
     a chip a line."""
     return USAGE.replace("{topologies}", "\n".join(f"{' ' * 29}{chip}" for chip in topologies.split(", ")))
 
@@ -82,6 +86,9 @@ def parse_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     if "chips_per_host" in options and "topology" not in options:
         raise UsageError("--chips_per_host lays out a TPU topology's hosts: give the topology too "
                          "(--topology=CHIP:SHAPE)")
+    if "chips_per_host" in options and is_gpu_topology(options["topology"]):
+        raise UsageError("--chips_per_host lays out a TPU topology's hosts; a GPU topology names its own "
+                         "(--topology=h100:2x8: 2 hosts of 8 GPUs)")
     return options, config_argv
 
 

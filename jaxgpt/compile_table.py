@@ -1,6 +1,7 @@
 """The report of jaxgpt.compile as one plain-text table per device, a column per program:
 each program's memory (its parts down to their sum, then XLA's peak beside them, the HBM and
-whether it fits), XLA's counts with the roofline bounds they allow, and the collectives."""
+whether it fits), XLA's counts with the roofline bounds they allow (for a GPU, where XLA has
+none, the bound from the model's FLOP count), and the collectives."""
 
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ MEMORY_NOTES = {
 }
 
 
+def _first(result: dict) -> dict:
+    return next(iter(result["programs"].values()))
+
+
 def _total_from(result: dict) -> str:
     """'peak' or 'sum': which of a report's memory figures must fit the device."""
-    return next(iter(result["programs"].values()))["total_from"]
+    return _first(result)["total_from"]
 
 
 def _rows(result: dict) -> list[list[str]]:
@@ -44,22 +49,48 @@ def _rows(result: dict) -> list[list[str]]:
     rows = [row(label, lambda p, k=key: size(p[k])) for label, key in MEMORY_ROWS]
     rows.append(row(PEAK_ROWS[_total_from(result)], lambda p: size(p["peak"])))
     if result["chip_figures"] and result["chip_figures"]["hbm"]:
-        rows.append(row(f"HBM of a {result['chip']}", lambda p: size(p["hbm"])))
+        rows.append(row(_memory_label(result), lambda p: size(p["hbm"])))
         rows.append(row(f"fits (its {_total_from(result)})", lambda p: f"{'yes' if p['fits'] else 'NO'}, "
                         f"{size(abs(p['margin']))} {'spare' if p['fits'] else 'over'}"))
-    rows.append(row("XLA FLOPs", lambda p: f"{p['flops']:.4g}"))
+    rows.append(row("XLA FLOPs", lambda p: "-" if p["flops"] is None else f"{p['flops']:.4g}"))
     rows.append(row("XLA bytes accessed", lambda p: size(p["bytes_accessed"])))
     if result["chip_figures"] and result["chip_figures"]["flops"]:
-        rows.append(row("roofline bound (s)", lambda p: f"{p['roofline_seconds']:.4g}" if "roofline_seconds" in p
-                        else "-"))
+        rows.append(row("roofline bound (s)" if _counted(result) else "time ≥ model's FLOPs / peak (s)",
+                        lambda p: f"{p['roofline_seconds']:.4g}" if "roofline_seconds" in p else "-"))
         rows.append(row("tokens/s ≤ (upper bound)", lambda p: f"{p['tokens_per_second_bound']:,.0f}"
                         if p.get("tokens_per_second_bound") else "-"))
-        rows.append(row("MFU ≤ (upper bound)", lambda p: f"{p['mfu_bound']:.1%}" if "mfu_bound" in p else "-"))
+        if _counted(result):
+            rows.append(row("MFU ≤ (upper bound)", lambda p: f"{p['mfu_bound']:.1%}" if "mfu_bound" in p else "-"))
     for kind in next(iter(programs))["collectives"]:  # jaxgpt.compile.COLLECTIVES, in order
         rows.append(row(kind, lambda p, k=kind: f"{p['collectives'][k]['count']} × "
                                                 f"{size(p['collectives'][k]['bytes'])}"
                         if p["collectives"][k]["count"] else "-"))
     return rows
+
+
+def _counted(result: dict) -> bool:
+    """Whether the report's bounds come from XLA's counts (else from the model's FLOPs: a GPU)."""
+    return _first(result).get("bound_from", "xla_counts") == "xla_counts"
+
+
+def _memory_label(result: dict) -> str:
+    """The row of the memory a program must fit in: a TPU's HBM, or the share of a GPU's memory
+    JAX's allocator gives XLA."""
+    figures = result["chip_figures"]
+    if not figures.get("memory"):
+        return f"HBM of a {result['chip']}"
+    share = figures["hbm"] / figures["memory"]
+    return f"memory for XLA ({share:.0%} of a {result['chip']}'s {size(figures['memory'])})"
+
+
+BOUND_NOTES = {
+    True: "Roofline, tokens/s and MFU: upper bounds from XLA's counts, which count a loop's body once: the "
+          "train step's are × grad_accum (the update's share overcounted), generate's decoding loop has none, "
+          "and compute.scan_layers undercounts the layers. Collectives: the program's instructions.",
+    False: "Time and tokens/s: bounds from the model's FLOP count (jaxgpt.model.flops_per_token) at the GPU's peak "
+           "bfloat16 FLOP/s, not XLA's (XLA has no cost analysis for GPUs): no MFU bound, no bound from memory "
+           "traffic. Memory and collectives: XLA's, from the compiled program.",
+}
 
 
 def format_report(result: dict) -> str:
@@ -75,7 +106,6 @@ def format_report(result: dict) -> str:
         if k == 0:
             text.append("  ".join("-" * w for w in widths))
     text.append(MEMORY_NOTES[_total_from(result)])
-    text.append("Roofline, tokens/s and MFU: upper bounds from XLA's counts, which count a loop's body once: the "
-                "train step's are × grad_accum (the update's share overcounted), generate's decoding loop has none, "
-                "and compute.scan_layers undercounts the layers. Collectives: the program's instructions.")
+    text.append(BOUND_NOTES[_counted(result)])
+    text.extend(result.get("notes", ()))
     return "\n".join(text)

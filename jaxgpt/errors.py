@@ -6,9 +6,12 @@ do; `one_line` turns a library's error (often many lines, sometimes a repr) into
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import sys
+import tempfile
 import threading
 import traceback
 import warnings
@@ -75,6 +78,36 @@ def tidy_cli_output() -> None:
     sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
     # orbax's failed write tasks, each logged by asyncio as "Task exception was never retrieved"
     logging.getLogger("asyncio").addFilter(lambda record: "/orbax/" not in record.getMessage())
+
+
+class stderr_kept(contextlib.AbstractContextManager):
+    """What this process (its C++ libraries too) writes to standard error inside the block,
+    kept in a file instead of printed: text() reads it as one line, lines() line by line. Not
+    enabled: printed as usual."""
+
+    def __init__(self, enabled: bool = True):
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2) if enabled else None
+
+    def __enter__(self):
+        if self._saved is not None:
+            sys.stderr.flush()
+            os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+        return False
+
+    def text(self) -> str:
+        return " ".join(" ".join(self.lines()).split())
+
+    def lines(self) -> list[str]:
+        self._file.seek(0)
+        return [line for line in self._file.read().decode(errors="replace").splitlines() if line.strip()]
 
 
 def _warning_line(message, category, filename, lineno, line=None) -> str:

@@ -4,6 +4,9 @@ XLA's compiled programs are cached on disk for the session, so the many small tr
 of the suite compile each distinct program once (subprocesses inherit the cache through
 JAX_COMPILATION_CACHE_DIR)."""
 
+# isort: off
+import jaxgpt  # noqa: F401  (first: keeps an accelerator's plugin this machine cannot use out of JAX, jaxgpt.platforms)
+# isort: on
 import atexit
 import os
 import shutil

@@ -189,6 +189,7 @@ def test_unknown_topology_lists_the_known_ones():
     code, err = run_main("--topology=v9:2x2", *TINY)
     assert code == 2 and err.startswith("jaxgpt.compile: unknown topology 'v9:2x2'")
     assert "v5e:{" in err and "2x4" in err and "v5p:{" in err and len(err.splitlines()) == 1
+    assert "h100:{1|2|4|8|2x8|" in err and "a100:{" in err  # the GPU topologies too (jaxgpt.gpus)
 
 
 def test_mesh_that_does_not_divide_the_devices():
@@ -207,7 +208,7 @@ def test_help_lists_the_options(flag):
     assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-2000:]
     assert done.stdout.startswith("usage: python -m jaxgpt.compile")
     for option in ("--config=FILE", "--config.KEY=VALUE", "--topology=CHIP:SHAPE", "--chips_per_host=AxB",
-                   "--json=PATH", "--option VALUE", "v5e:{", "mesh.cpu_devices"):
+                   "--json=PATH", "--option VALUE", "v5e:{", "h100:{", "mesh.cpu_devices"):
         assert option in done.stdout, option
 
 
@@ -217,6 +218,7 @@ def test_help_lists_the_options(flag):
     (["--json"], "--json needs a value"),
     (["--topology", "--json=out.json"], "--topology needs a value"),
     (["--chips_per_host=2x4"], "--chips_per_host lays out a TPU topology's hosts"),
+    (["--topology=h100:8", "--chips_per_host=2x4"], "--chips_per_host lays out a TPU topology's hosts; a GPU"),
 ])
 def test_refuses_what_it_does_not_understand_in_one_line(argv, says):
     code, err = run_main(*argv, *TINY)

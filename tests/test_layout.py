@@ -20,7 +20,8 @@ PACKAGE = ROOT / "jaxgpt"
 # Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
 # know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
 LAYERS = (
-    ("errors", "files", "lazy", "ops", "axes", "platforms"),  # axes: the mesh's names; platforms: JAX's
+    ("errors", "files", "lazy", "ops", "axes", "platforms", "gpus"),  # axes: the mesh's names; platforms: JAX's;
+    # gpus: the GPUs jaxgpt.compile describes to XLA
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
     ("attention", "positions", "muon"),  # registries of forms, kernels, schemes; muon: NS over banks
     ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
@@ -34,7 +35,7 @@ LAYERS = (
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
     ("opening",),  # a run opened in order: the directory, the config, its checks, the mesh, the data, the state
     ("run", "completions", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
-    ("compile_args", "compile_table"),  # jaxgpt.compile's command line and its report's table
+    ("compile_args", "compile_table", "compile_gpu"),  # jaxgpt.compile's command line, its report's table, GPUs
     ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
     ("sweep_summary",),  # a sweep's summary.csv, summary.md and val_loss.png, from its cells' run directories
     ("analysis", "export", "sweep", "harness"),  # harness: the lm-evaluation-harness's model "jaxgpt"
