@@ -28,6 +28,7 @@ LAYERS = (
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),
+    ("loss",),  # what the model says of its targets: the loss and log-probabilities, whole or a chunk at a time
     ("training", "decoding", "convert", "quantize"),
     ("evaluation", "sampling", "beam", "rundir", "likelihood"),  # likelihood: scores of continuations and texts
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
