@@ -337,8 +337,13 @@ def target_scores(logits, targets):
     target y_i, for logits z (..., V) and targets (...): its log-probability, and whether it is the
     likeliest token. Computed in float32."""
     logits = logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == targets
+    return target_logit(logits, targets) - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == targets
+
+
+def target_logit(logits, targets):
+    """z[y] = Σ_v z[v]·[v = y] for logits z (..., V), targets y (...): a reduction over the vocabulary,
+    which XLA fuses with the others that read z (for a gather it would write z out first)."""
+    return jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0).sum(axis=-1)
 
 
 def perplexity(loss):
@@ -394,18 +399,12 @@ def chunked_cross_entropy(logits_fn, weights, hidden, targets, mask=None, count=
                          jnp.maximum(count, 1.0).astype(jnp.float32))
 
 
-def _chunk_nll(z, y):
-    """(log Σ_v exp z_i[v] − z_i[y_i] of each row, the log Σ exp) of logits z (n, V) and targets y (n,)."""
-    lse = jax.nn.logsumexp(z, axis=-1)
-    return lse - jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0], lse
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _chunked_loss(logits_fn, chunk, weights, hidden, targets, mask, count):
     """L of hidden (N, d), targets and mask (N,) (chunked_cross_entropy), forward only."""
     def step(total, c):
         h, y, m = c
-        return total + (m * _chunk_nll(logits_fn(weights, h), y)[0]).sum(), None
+        return total - (m * target_scores(logits_fn(weights, h), y)[0]).sum(), None
 
     chunks = tuple(as_chunks(x, chunk) for x in (hidden, targets, mask))
     return jax.lax.scan(step, jnp.zeros((), jnp.float32), chunks)[0] / count
@@ -418,11 +417,11 @@ def _chunked_loss_forward(logits_fn, chunk, weights, hidden, targets, mask, coun
         total, grad_w = carry
         h, y, m = c
         z, pullback = jax.vjp(logits_fn, weights, h)
-        nll, lse = _chunk_nll(z, y)
+        lse = jax.nn.logsumexp(z, axis=-1)
         dz = (jnp.exp(z - lse[:, None]) - jax.nn.one_hot(y, z.shape[-1], dtype=z.dtype)) * m[:, None]
         dw, dh = pullback(dz)
         grad_w = jax.tree.map(lambda sum_w, part: sum_w + part.astype(jnp.float32), grad_w, dw)
-        return (total + (m * nll).sum(), grad_w), dh
+        return (total + (m * (lse - target_logit(z, y))).sum(), grad_w), dh
 
     chunks = tuple(as_chunks(x, chunk) for x in (hidden, targets, mask / count))
     zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights)
