@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxgpt import data
 from jaxgpt.attention import FORMS, init_cache
+from jaxgpt.loss import score_targets
 from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
 
@@ -105,10 +106,7 @@ def _scorer(model: GPT):
     greedy) of each row; one program per (batch, width)."""
 
     def score(params, inputs, targets, mask):
-        logits = model.apply({"params": params}, inputs).astype(jnp.float32)
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
-        greedy = jnp.argmax(logits, axis=-1) == targets
+        logprobs, greedy = score_targets(model, params, inputs, targets)
         return jnp.sum(jnp.where(mask, logprobs, 0.0), axis=-1), jnp.all(greedy | ~mask, axis=-1)
 
     return jax.jit(score)
@@ -199,11 +197,8 @@ def engine(model: GPT, rows: int) -> Engine:
         return model.apply({"params": params}, tokens, cache.replace(index=start))[1]
 
     def score(params, cache, tokens, start, targets, mask):
-        logits, cache = model.apply({"params": params}, tokens, cache.replace(index=start))
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        logprobs = picked - jax.nn.logsumexp(logits, axis=-1)
-        greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~mask, axis=-1)
-        return cache, jnp.sum(jnp.where(mask, logprobs, 0.0), axis=-1), greedy
+        logprobs, greedy, cache = score_targets(model, params, tokens, targets, cache.replace(index=start))
+        return cache, jnp.sum(jnp.where(mask, logprobs, 0.0), axis=-1), jnp.all(greedy | ~mask, axis=-1)
 
     read_width, score_width = widths(model.cfg.block_size)
     scorer = jax.jit(score, donate_argnums=1)

@@ -51,9 +51,18 @@ def embedding_std(cfg: GPTConfig) -> float:
 # --- modules ------------------------------------------------------------------------------
 
 
+def matmul(w: dict, x):
+    """y = x W for x (..., n), in x's dtype: W a float kernel (n, m) ({'kernel'}), or int8 with a
+    scale per output channel ({'kernel_q'} (m, n), {'kernel_scale'} (m,): ops.int8_linear)."""
+    if "kernel_q" in w:
+        rows = ops.int8_linear(x.reshape(-1, x.shape[-1]), w["kernel_q"], w["kernel_scale"])
+        return rows.reshape(*x.shape[:-1], -1)
+    return ops.linear(x, w["kernel"].astype(x.dtype))
+
+
 class Linear(nn.Module):
     """y = x W + b, with W of shape (input dims…, output dims…): the input dims are the last
-    `n_in` axes of x. Computed as one 2-D matmul (ops.linear). `axes` names W's dimensions
+    `n_in` axes of x. Computed as one 2-D matmul (`matmul`). `axes` names W's dimensions
     (jaxgpt.layout: inputs first, then outputs); b is named by the output ones, and by `norm`
     for a vector of width d_model.
     W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual), or is zero at first with
@@ -74,29 +83,35 @@ class Linear(nn.Module):
     zero_init: bool = False  # W starts at zero
 
     @nn.compact
-    def __call__(self, x):
-        cfg, dtype, param_dtype = self.cfg, self.compute.compute_dtype, self.compute.params_dtype
-        in_shape, out_shape = x.shape[x.ndim - self.n_in:], tuple(self.features)
-        batch = x.shape[: x.ndim - self.n_in]
-        x2 = x.reshape(*batch, math.prod(in_shape)).astype(dtype)
+    def weights(self, in_shape: tuple) -> dict:
+        """W as `matmul` takes it (flattened to (n, m), or int8 to (m, n) and (m,)) and b ('bias'),
+        made here the first time: what the untied unembedding gives `unembed`."""
+        out_shape = tuple(self.features)
         in_axes, out_axes = self.axes[:self.n_in], self.axes[self.n_in:]
         if self.compute.weights == "int8":
             q = self.param("kernel_q", layout.declare(nn.initializers.zeros, (*out_axes, *in_axes), group=self.group),
                            (*out_shape, *in_shape), jnp.int8)
             scale = self.param("kernel_scale", layout.declare(nn.initializers.ones, out_axes), out_shape, jnp.float32)
-            rows = x2.reshape(-1, x2.shape[-1])
-            y = ops.int8_linear(rows, q.reshape(scale.size, -1), scale.reshape(-1)).reshape(*batch, *out_shape)
+            w = {"kernel_q": q.reshape(scale.size, -1), "kernel_scale": scale.reshape(-1)}
         else:
-            std = kernel_std(cfg, math.prod(in_shape), self.residual)
-            init = nn.initializers.zeros if self.zero_init else normal(std)
+            init = nn.initializers.zeros if self.zero_init else normal(kernel_std(self.cfg, math.prod(in_shape),
+                                                                                   self.residual))
             kernel = self.param("kernel", layout.declare(init, self.axes, inputs=self.n_in, group=self.group),
-                                (*in_shape, *out_shape), param_dtype)
-            w2 = kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(dtype)
-            y = ops.linear(x2, w2).reshape(*batch, *out_shape)
+                                (*in_shape, *out_shape), self.compute.params_dtype)
+            w = {"kernel": kernel.reshape(math.prod(in_shape), math.prod(out_shape))}
         if self.use_bias:
             bias_axes = ("norm",) if out_axes == ("embed",) else out_axes
-            y = y + self.param("bias", layout.declare(nn.initializers.zeros, bias_axes), out_shape,
-                               param_dtype).astype(dtype)
+            w["bias"] = self.param("bias", layout.declare(nn.initializers.zeros, bias_axes), out_shape,
+                                   self.compute.params_dtype)
+        return w
+
+    def __call__(self, x):
+        in_shape, batch = x.shape[x.ndim - self.n_in:], x.shape[: x.ndim - self.n_in]
+        x2 = x.reshape(*batch, math.prod(in_shape)).astype(self.compute.compute_dtype)
+        w = self.weights(in_shape)
+        y = matmul(w, x2).reshape(*batch, *self.features)
+        if self.use_bias:
+            y = y + w["bias"].astype(y.dtype)
         return rows_split(y)
 
 
@@ -119,10 +134,6 @@ class Int8Embed(nn.Module):
     def __call__(self, tokens):
         rows = ops.dequantize(jnp.take(self.embedding_q, tokens, axis=0), jnp.take(self.embedding_scale, tokens))
         return rows.astype(self.dtype)
-
-    def attend(self, x):
-        rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        return ops.int8_linear(rows, self.embedding_q, self.embedding_scale).reshape(*x.shape[:-1], -1)
 
 
 class LayerNorm(nn.Module):
@@ -309,6 +320,9 @@ class GPT(nn.Module):
     new_cache)` is returned. With compute.scan_layers the blocks are one nn.scan over
     params["h"] (see layers_as). Dropout is applied only when deterministic=False and a
     'dropout' RNG is given.
+
+    hidden=True returns (LN_f(Z) (B, T, d), the unembedding's weights) instead of the logits,
+    their `unembed`: for a loss that makes them a chunk of tokens at a time (jaxgpt.loss).
     """
 
     cfg: GPTConfig
@@ -322,7 +336,8 @@ class GPT(nn.Module):
         return nn.meta.unbox(variables)
 
     @nn.compact
-    def __call__(self, tokens, cache=None, *, positions=None, segments=None, deterministic: bool = True):
+    def __call__(self, tokens, cache=None, *, positions=None, segments=None, deterministic: bool = True,
+                 hidden: bool = False):
         cfg, compute = self.cfg, self.compute
         deterministic = deterministic or not self.has_rng("dropout")
         positions, where, cache = locate(tokens, cache, positions, segments)
@@ -344,22 +359,24 @@ class GPT(nn.Module):
         x, new_layers = self.blocks(x, where, cache, positions, deterministic)
 
         x = make_norm(cfg, compute, "ln_f")(x)
-        if cfg.tie_embeddings:  # W_U = Eᵀ
-            logits = (wte.attend(x) if compute.weights == "int8"
-                      else ops.linear(x.astype(dtypes[0]), wte.embedding.T.astype(dtypes[0])))
+        head = self.unembedding(wte)
+        out = (x, head) if hidden else unembed(cfg, compute, head, x)
+        return out if cache is None else (out, cache.with_layers(new_layers, tokens.shape[-1]))
+
+    def unembedding(self, wte) -> dict:
+        """The unembedding's weights as `unembed` takes them: W_U (Eᵀ when tied) and b_U ('bias')."""
+        cfg, compute = self.cfg, self.compute
+        if not cfg.tie_embeddings:
+            head = Linear((cfg.vocab_size,), ("embed", "vocab"), cfg, compute, group="head", use_bias=False,
+                          zero_init=cfg.zero_init_out, name="lm_head").weights((cfg.d_model,))
+        elif compute.weights == "int8":  # W_U = Eᵀ, E ≈ q·s row by row: W_U's output channels are E's rows
+            head = {"kernel_q": wte.embedding_q, "kernel_scale": wte.embedding_scale}
         else:
-            logits = Linear((cfg.vocab_size,), ("embed", "vocab"), cfg, compute, group="head", use_bias=False,
-                            zero_init=cfg.zero_init_out, name="lm_head")(x)
-        if cfg.logits_bias:  # b_U
-            logits = logits + self.param("logits_bias", layout.declare(nn.initializers.zeros, ("vocab",)),
-                                         (cfg.vocab_size,), dtypes[1])
-        logits = logits.astype(jnp.float32)
-        if cfg.logit_softcap is not None:  # c·tanh(z/c)
-            logits = ops.softcap(logits, cfg.logit_softcap)
-        logits = rows_split(logits)
-        if cache is None:
-            return logits
-        return logits, cache.with_layers(new_layers, tokens.shape[-1])
+            head = {"kernel": wte.embedding.T}
+        if cfg.logits_bias:
+            head["bias"] = self.param("logits_bias", layout.declare(nn.initializers.zeros, ("vocab",)),
+                                      (cfg.vocab_size,), compute.params_dtype)
+        return head
 
     def blocks(self, x, where: Where, cache, positions, deterministic: bool):
         """The n_layer blocks, each with its layer of the cache: (x, the layers' new caches)."""
@@ -383,6 +400,19 @@ class GPT(nn.Module):
             x, layer_cache = block(cfg, compute, name=f"h_{layer}")(x, where, layer_caches[layer], deterministic)
             new_layers.append(layer_cache)
         return x, new_layers
+
+
+def unembed(cfg: GPTConfig, compute: ComputeConfig, head: dict, x):
+    """logits = x W_U (+ b_U), float32, soft-capped to c·tanh(logits/c) with logit_softcap = c, for
+    x (..., d) the final norm's output and head the unembedding's weights (GPT.unembedding): the one
+    place logits are made, for the whole batch (GPT) or a chunk of its tokens (the chunked loss)."""
+    logits = matmul(head, rows_split(x).astype(compute.compute_dtype))
+    if "bias" in head:  # b_U
+        logits = logits + head["bias"]
+    logits = logits.astype(jnp.float32)
+    if cfg.logit_softcap is not None:  # c·tanh(z/c)
+        logits = ops.softcap(logits, cfg.logit_softcap)
+    return rows_split(logits)
 
 
 # --- the blocks' parameter layouts ------------------------------------------------------------
@@ -427,9 +457,7 @@ def unstack_layers(tree):
 def layers_as(tree, scan_layers: bool):
     """`tree` (params or anything mirroring them) in the layout compute.scan_layers asks for
     (stacked when True), whichever layout it is in."""
-    if scan_layers:
-        return stack_layers(tree)
-    return unstack_layers(tree)
+    return stack_layers(tree) if scan_layers else unstack_layers(tree)
 
 
 # --- sizes ----------------------------------------------------------------------------------

@@ -202,6 +202,11 @@ class ComputeConfig:
       a quarter of float32's bytes to read per token; the rest stays in param_dtype. It
       approximates the function (within half a quantisation step per weight), so training
       refuses it; jaxgpt.quantize.params_for makes such params from float ones.
+    loss_chunk: 0 computes the logits of a whole batch at once. n > 0 computes the unembedding
+      and the cross-entropy n tokens at a time on each device (the batch's tokens padded to a
+      whole number of chunks), with the loss's gradient taken chunk by chunk (ops.chunked_cross_entropy),
+      so that no device ever holds the logits of all its tokens, nor their gradient; evaluation and
+      the likelihoods read the targets' log-probabilities chunk by chunk too.
     """
 
     kernel: str = "explicit"
@@ -210,9 +215,13 @@ class ComputeConfig:
     param_dtype: str = "float32"
     scan_layers: bool = False
     weights: str = "float"
+    loss_chunk: int = 0
 
     def __post_init__(self):
         _check_choice("ComputeConfig", "kernel", self.kernel, (*KERNELS, AUTO))
+        if not (is_int(self.loss_chunk) and self.loss_chunk >= 0):
+            raise ValueError(f"ComputeConfig.loss_chunk={self.loss_chunk!r}: must be an integer ≥ 0, the tokens per "
+                             f"chunk of the loss on each device (0: the whole logits at once; 4096 is a usual chunk)")
         _check_choice("ComputeConfig", "weights", self.weights, WEIGHTS)
         for name in ("dtype", "param_dtype"):
             _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)

@@ -26,6 +26,7 @@ import optax
 
 from jaxgpt import layout, ops
 from jaxgpt.config import GPTConfig
+from jaxgpt.loss import chunk_tokens, logits_fn, score_targets
 from jaxgpt.model import GPT, param_layout
 
 
@@ -51,11 +52,17 @@ def as_model(model: GPT | GPTConfig) -> GPT:
 def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *, positions=None, segments=None,
             count=None):
     """Cross-entropy of the model's next-token predictions: the mean over the targets where
-    `mask` is True, or their sum over `count` (see ops.cross_entropy)."""
+    `mask` is True, or their sum over `count` (see ops.cross_entropy); with compute.loss_chunk,
+    the logits made and their gradient taken a chunk of tokens at a time (ops.chunked_cross_entropy)."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
-    logits = model.apply({"params": params}, inputs, positions=positions, segments=segments,
-                         deterministic=dropout_key is None, rngs=rngs)
-    return ops.cross_entropy(logits, targets, mask, count)
+    chunk = model.compute.loss_chunk
+    out = model.apply({"params": params}, inputs, positions=positions, segments=segments,
+                      deterministic=dropout_key is None, rngs=rngs, hidden=bool(chunk))
+    if not chunk:
+        return ops.cross_entropy(out, targets, mask, count)
+    hidden, head = out
+    return ops.chunked_cross_entropy(logits_fn(model), head, hidden, targets, mask, count,
+                                     chunk=chunk_tokens(model.compute))
 
 
 def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
@@ -121,15 +128,13 @@ def seeded(train_step: Callable) -> Callable:
 
 def make_eval_step(model: GPT | GPTConfig):
     """eval_step(params, inputs, targets, mask, positions=None, segments=None) -> (Σ of the
-    masked targets' losses, their count)."""
+    masked targets' losses, their count); chunk by chunk with compute.loss_chunk (model.score_targets)."""
     model = as_model(model)
 
     def eval_step(params, inputs, targets, mask, positions=None, segments=None):
-        logits = model.apply({"params": params}, inputs, positions=positions, segments=segments)
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        log_probs, _ = score_targets(model, params, inputs, targets, positions=positions, segments=segments)
         mask = mask.astype(jnp.float32)
-        return (nll * mask).sum(), mask.sum()
+        return -(log_probs * mask).sum(), mask.sum()
 
     return eval_step
 

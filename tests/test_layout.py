@@ -29,6 +29,7 @@ LAYERS = (
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),
+    ("loss",),  # what the model says of its targets: the loss and log-probabilities, whole or a chunk at a time
     ("training", "decoding", "convert", "quantize"),
     # likelihood: scores of continuations and texts; micro_batch: the rows per device a step takes
     ("evaluation", "sampling", "beam", "rundir", "likelihood", "micro_batch"),
