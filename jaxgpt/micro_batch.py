@@ -105,7 +105,14 @@ def row_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
                      and not compute.remat)
     span = cfg.block_size if cfg.window is None else min(cfg.block_size, cfg.window)
     weights = 2 * cfg.n_head * span if forms_weights else 0
-    return cfg.block_size * (cfg.n_layer * (block_values(cfg) + weights) * size + 4 * cfg.vocab_size)
+    logits = 0 if compute.loss_chunk else 4 * cfg.vocab_size  # chunked: a chunk's at a time (chunk_bytes)
+    return cfg.block_size * (cfg.n_layer * (block_values(cfg) + weights) * size + logits)
+
+
+def chunk_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
+    """Bytes of one chunk's float32 logits and their gradient under compute.loss_chunk (0 without
+    it: the logits are then a row's, in row_bytes), whatever the micro-batch."""
+    return 2 * 4 * compute.loss_chunk * cfg.vocab_size
 
 
 # --- the choice -------------------------------------------------------------------------------
@@ -176,7 +183,7 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
         where = ""
         if memory is None or train.memory_limit_gib:
             memory, where = device_memory(list(mesh.devices.flat), train)
-        choice = plan(train, ways, state_bytes(cfg, compute, train, mesh), row_bytes(cfg, compute), memory, where)
+        choice = plan(train, ways, state_bytes(cfg, compute, train, mesh) + chunk_bytes(cfg, compute), row_bytes(cfg, compute), memory, where)
     if choice.why and say:
         print(f"jaxgpt: {choice.why}", file=sys.stderr)
     if (choice.batch_size, choice.grad_accum) == (train.batch_size, train.grad_accum):

@@ -9,7 +9,7 @@ import pytest
 
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig, load_config
 from jaxgpt.errors import ConfigError
-from jaxgpt.micro_batch import Plan, block_values, larger_note, plan, row_bytes, state_bytes
+from jaxgpt.micro_batch import Plan, block_values, chunk_bytes, larger_note, plan, row_bytes, state_bytes
 from jaxgpt.model import param_count
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -37,6 +37,10 @@ def test_the_estimates_are_the_docstrings_formulas():
     explicit = FLASH.replace(kernel="explicit")
     assert row_bytes(GPT2, explicit) == ROW + 1024 * 12 * 2 * 12 * 1024 * 2
     assert row_bytes(GPT2, explicit.replace(remat=True)) == ROW
+    # compute.loss_chunk: no row holds its 1024 × 50304 float32 logits, one chunk's (and their gradient) at a time
+    chunked = FLASH.replace(loss_chunk=2048)
+    assert row_bytes(GPT2, chunked) == ROW - 1024 * 4 * 50304 and chunk_bytes(GPT2, chunked) == 2 * 4 * 2048 * 50304
+    assert chunk_bytes(GPT2, FLASH) == 0
 
 
 @pytest.mark.parametrize(("rows", "ways", "memory", "expected"), [
