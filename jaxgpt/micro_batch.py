@@ -183,7 +183,8 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
         where = ""
         if memory is None or train.memory_limit_gib:
             memory, where = device_memory(list(mesh.devices.flat), train)
-        choice = plan(train, ways, state_bytes(cfg, compute, train, mesh) + chunk_bytes(cfg, compute), row_bytes(cfg, compute), memory, where)
+        state = state_bytes(cfg, compute, train, mesh) + chunk_bytes(cfg, compute)
+        choice = plan(train, ways, state, row_bytes(cfg, compute), memory, where)
     if choice.why and say:
         print(f"jaxgpt: {choice.why}", file=sys.stderr)
     if (choice.batch_size, choice.grad_accum) == (train.batch_size, train.grad_accum):
