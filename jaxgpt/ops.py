@@ -337,12 +337,14 @@ def target_scores(logits, targets):
     target y_i, for logits z (..., V) and targets (...): its log-probability, and whether it is the
     likeliest token. Computed in float32."""
     logits = logits.astype(jnp.float32)
-    return target_logit(logits, targets) - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == targets
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == targets
 
 
 def target_logit(logits, targets):
-    """z[y] = Σ_v z[v]·[v = y] for logits z (..., V), targets y (...): a reduction over the vocabulary,
-    which XLA fuses with the others that read z (for a gather it would write z out first)."""
+    """z[y] = Σ_v z[v]·[v = y] for logits z (..., V), targets y (...): a reduction XLA fuses with the others
+    that read z. In the chunked loss a gather had XLA write each chunk's logits in float32 too (GPT-2 small,
+    v5e: 2.54 → 1.89 GB accessed a 2048-token chunk); a CPU evaluates a whole batch 6% faster by gather."""
     return jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0).sum(axis=-1)
 
 
@@ -352,9 +354,8 @@ def perplexity(loss):
 
 
 # --- the loss a chunk of tokens at a time ----------------------------------------------------
-# logits_fn(weights, h) → z: the logits (n, V), float32, of hidden states h (n, d) under the
-# unembedding's weights (a pytree). Neither the forward nor the backward pass ever holds the
-# (N, V) logits of all N tokens: only those of one chunk.
+# logits_fn(weights, h) → z: the logits (n, V), float32, of hidden states h (n, d) under the unembedding's
+# weights (a pytree). Neither pass ever holds the (N, V) logits of all N tokens: only one chunk's.
 
 
 def as_chunks(x, chunk: int, fill=0):
@@ -404,7 +405,8 @@ def _chunked_loss(logits_fn, chunk, weights, hidden, targets, mask, count):
     """L of hidden (N, d), targets and mask (N,) (chunked_cross_entropy), forward only."""
     def step(total, c):
         h, y, m = c
-        return total - (m * target_scores(logits_fn(weights, h), y)[0]).sum(), None
+        z = logits_fn(weights, h)
+        return total + (m * (jax.nn.logsumexp(z, axis=-1) - target_logit(z, y))).sum(), None
 
     chunks = tuple(as_chunks(x, chunk) for x in (hidden, targets, mask))
     return jax.lax.scan(step, jnp.zeros((), jnp.float32), chunks)[0] / count
