@@ -256,15 +256,44 @@ def sinusoidal_positions(n, d):
 
 
 def rope(x, positions, base=10000.0):
-    """RoPE: rotate each pair (x_{2j}, x_{2j+1}) by the angle p·base^(−2j/D); x (B,T,H,D), positions (B,T) or (T,)."""
+    """RoPE: rotate each pair (x_{2j}, x_{2j+1}) by the angle θ_j = p·base^(−2j/D); x (B,T,H,D), positions (B,T)
+    or (T,): y_{2j} = x_{2j} cos θ_j − x_{2j+1} sin θ_j, y_{2j+1} = x_{2j+1} cos θ_j + x_{2j} sin θ_j.
+    The same function two ways, chosen for the platform it is compiled for: by pairs on a CPU (rope_pairs),
+    over the whole last axis elsewhere (rope_lanes: a TPU lays out an axis of 2 as 128 lanes)."""
+    return jax.lax.platform_dependent(x, positions, cpu=functools.partial(rope_pairs, base=base),
+                                      default=functools.partial(rope_lanes, base=base))
+
+
+def rope_angles(positions, d: int, base: float, repeat: int):
+    """θ (B,T,1,D/2) of each pair j at each position p (repeat=1), or each pair's angle repeated for both of
+    its entries (repeat=2: (B,T,1,D))."""
+    pair = jnp.arange(d // 2 * repeat) // repeat
+    inv_freq = jnp.power(base, -(2 * pair).astype(jnp.float32) / d)
+    return jnp.asarray(positions, jnp.float32)[..., None, None] * inv_freq
+
+
+def rope_pairs(x, positions, base=10000.0):
+    """rope on the (…, D/2, 2) pairs: the rotation written as it reads."""
     d = x.shape[-1]
-    inv_freq = jnp.power(base, -jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-    angles = jnp.asarray(positions, jnp.float32)[..., None, None] * inv_freq  # (B,T,1,D/2)
+    angles = rope_angles(positions, d, base, repeat=1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], d // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def rope_lanes(x, positions, base=10000.0):
+    """rope over the whole last axis: y = x ⊙ cos θ + (x Π) ⊙ s ⊙ sin θ, θ each pair's angle repeated, Π the
+    (D, D) permutation that swaps each pair's entries (exact in any dtype) and s = (−1, +1, −1, …)."""
+    d = x.shape[-1]
+    lane = jnp.arange(d)
+    angles = rope_angles(positions, d, base, repeat=2)
+    swap = (lane[:, None] ^ 1) == lane[None, :]
+    partner = jnp.einsum("...d,de->...e", x, swap.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+    sign = jnp.where(lane % 2 == 0, -1.0, 1.0)
+    rotated = x.astype(jnp.float32) * jnp.cos(angles) + sign * partner.astype(jnp.float32) * jnp.sin(angles)
+    return rotated.astype(x.dtype)
 
 
 def alibi_slopes(n_head):

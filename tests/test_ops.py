@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,12 +104,26 @@ def test_sinusoidal_positions_element_by_element(n, d):
             assert pe[i, 2 * j + 1] == pytest.approx(math.cos(angle), abs=2e-5)
 
 
+@pytest.mark.parametrize("rope", [ops.rope, ops.rope_pairs, ops.rope_lanes])
 @pytest.mark.parametrize("shape", [(1, 5, 2, 4), (2, 6, 3, 8)])
-def test_rope(rng, shape):
+def test_rope(rng, shape, rope):
     x = rng.standard_normal(shape)
     positions = rng.integers(0, 100, size=shape[:2])
-    got = ops.rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions))
+    got = rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions))
     np.testing.assert_allclose(np.asarray(got), ref.rope(x, positions), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_by_lanes_equals_rope_by_pairs_in_bfloat16_and_in_its_gradient(rng):
+    """The TPU's and GPU's form swaps each pair by a permutation matmul: exact in bfloat16, and its gradient
+    is the pairs' (the CPU's form)."""
+    x = jnp.asarray(rng.standard_normal((2, 7, 3, 16)), jnp.bfloat16)
+    positions = jnp.asarray(rng.integers(0, 1000, size=(2, 7)))
+    np.testing.assert_array_equal(np.asarray(ops.rope_lanes(x, positions), np.float32),
+                                  np.asarray(ops.rope_pairs(x, positions), np.float32))
+    weights = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    grads = [jax.grad(lambda x, f=f: (f(x, positions) * weights).sum())(x.astype(jnp.float32))
+             for f in (ops.rope_lanes, ops.rope_pairs)]
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(grads[1]), rtol=1e-6, atol=1e-6)
 
 
 def test_rope_scores_depend_only_on_relative_position(rng):
