@@ -140,6 +140,7 @@ class Program:
     tokens: int  # tokens one execution processes (all devices)
     model_flops: float | None  # the model's FLOPs in one execution (all devices), None: not reported
     loop: int = 1  # XLA counts a loop's body once: the train step's figures × grad_accum (its micro-batches)
+    extras: tuple = ()  # (times, compiled) added to its counts: what XLA's counts of loops leave out (compile_counts)
     platform: str = "tpu"  # of the devices it is compiled for: how to read XLA's memory figures (memory_figures)
 
 
@@ -184,12 +185,12 @@ def known_vocab_size(config) -> int | None:
     return None if tokenizer is None else tokenizer.vocab_size
 
 
-def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
+def compile_programs(config, devices=None, generate: bool = True) -> tuple[Any, list[Program]]:
     """(the mesh, [train step, eval step, generate]) compiled for `devices` (default: this
-    process's), built by the functions train.py uses."""
+    process's), built by the functions train.py uses; without generate when it is False."""
     import jax
 
-    from jaxgpt import micro_batch, opening, preflight, run, sharding
+    from jaxgpt import compile_counts, micro_batch, opening, preflight, run, sharding
     from jaxgpt.config import TrainConfig
     from jaxgpt.model import GPT, flops_per_token, param_layout
     from jaxgpt.optim import make_optimizer
@@ -209,14 +210,19 @@ def compile_programs(config, devices=None) -> tuple[Any, list[Program]]:
     tokens = train_cfg.grad_accum * train_cfg.batch_size * cfg.block_size
     batch = per_device_bytes(batch_structs(mesh, tokens // cfg.block_size, cfg.block_size, packed))
     per_token = flops_per_token(cfg, cfg.block_size)
+    counting = platform != "gpu"  # XLA counts FLOPs and bytes (not a GPU's): add what its count of loops leaves out
     train = Program("train step", _compiled(lowered, "train step"),
                     {"parameters": per_device_bytes(abstract.params),
                      "optimizer state": per_device_bytes(abstract.opt_state), "batch": batch},
-                    tokens, per_token * tokens, loop=train_cfg.grad_accum, platform=platform)
+                    tokens, per_token * tokens, loop=train_cfg.grad_accum, platform=platform,
+                    extras=compile_counts.train_extras(gpt, mesh, optimizer, abstract, train_cfg.batch_size,
+                                                       train_cfg.grad_accum) if counting else ())
     with jax.set_mesh(mesh):  # as train.py runs them (run.train)
         evaluation = _eval_program(gpt, mesh, abstract.params, train_cfg.eval_batch_size, packed, per_token / 3)
-        generate = _generate_program(gpt, mesh, abstract.params, config.sample)
-    return mesh, [train, evaluation, generate]
+        if counting:
+            evaluation.extras = compile_counts.eval_extras(gpt, mesh, abstract.params, train_cfg.eval_batch_size)
+        generate = [_generate_program(gpt, mesh, abstract.params, config.sample)] if generate else []
+    return mesh, [train, evaluation, *generate]
 
 
 def _compiled(lowered, name: str):
@@ -356,19 +362,26 @@ def memory_figures(program: Program) -> dict[str, Any]:
             "total_from": "peak" if from_peak else "sum"}
 
 
+def _cost(compiled) -> dict:
+    """XLA's cost analysis of a compiled program ({} where it has none)."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - XLA: "GetCostAnalysis is not supported" (some GPU builds)
+        cost = None
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+
+
 def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]:
     """The report of one program, per device: its memory (memory_figures), XLA's counts and
     the bounds they allow. Where XLA has no cost analysis (a GPU), the counts are None and the
     time is bounded by the model's FLOPs at the chip's peak instead (bound_from 'model_flops')."""
-    try:
-        cost = program.compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - XLA: "GetCostAnalysis is not supported" (some GPU builds)
-        cost = None
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    cost = _cost(program.compiled)
     counted = "flops" in cost
+    parts = [(program.loop, cost), *((times, _cost(compiled)) for times, compiled in program.extras)] if counted else []
     result = {**memory_figures(program),
-              "flops": program.loop * float(cost["flops"]) if counted else None,
-              "bytes_accessed": program.loop * float(cost.get("bytes accessed", 0.0)) if counted else None,
+              "flops": sum(times * float(c["flops"]) for times, c in parts) if counted else None,
+              "bytes_accessed": sum(times * float(c.get("bytes accessed", 0.0)) for times, c in parts) if counted
+              else None,
               "bound_from": "xla_counts" if counted else "model_flops",
               "tokens": program.tokens, "collectives": collectives(program.compiled.as_text())}
     total = result["total"]

@@ -85,8 +85,9 @@ def _memory_label(result: dict) -> str:
 
 BOUND_NOTES = {
     True: "Roofline, tokens/s and MFU: upper bounds from XLA's counts, which count a loop's body once: the "
-          "train step's are × grad_accum (the update's share overcounted), generate's decoding loop has none, "
-          "and compute.scan_layers undercounts the layers. Collectives: the program's instructions.",
+          "train step's micro-batches and chunks of the loss, and the eval step's chunks, are counted as often as "
+          "they run (each compiled on its own: jaxgpt.compile_counts); generate's decoding loop has none, and "
+          "compute.scan_layers undercounts the layers. Collectives: the program's instructions.",
     False: "Time and tokens/s: bounds from the model's FLOP count (jaxgpt.model.flops_per_token) at the GPU's peak "
            "bfloat16 FLOP/s, not XLA's (XLA has no cost analysis for GPUs): no MFU bound, no bound from memory "
            "traffic. Memory and collectives: XLA's, from the compiled program.",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from jaxgpt import ops
+from jaxgpt import chunked, ops
 from jaxgpt.axes import batch_ways, current_mesh
 from jaxgpt.model import GPT, unembed
 from jaxgpt.model_config import ComputeConfig
@@ -34,13 +34,14 @@ def chunk_tokens(compute: ComputeConfig) -> int:
 def score_targets(model: GPT, params, tokens, targets, cache=None, **kwargs):
     """(log p(y_i), [y_i = argmax of its logits]) of each target (B, T) after tokens (B, T), and
     with a cache the new cache: from the whole logits, or with compute.loss_chunk chunk by chunk
-    (ops.chunked_target_scores). kwargs go to GPT (positions, segments)."""
+    (chunked.chunked_target_scores). kwargs go to GPT (positions, segments)."""
     chunk = model.compute.loss_chunk
     out = model.apply({"params": params}, tokens, cache, hidden=bool(chunk), **kwargs)
     out, cache = (out, None) if cache is None else out
     if chunk:
         hidden, head = out
-        scores = ops.chunked_target_scores(logits_fn(model), head, hidden, targets, chunk=chunk_tokens(model.compute))
+        scores = chunked.chunked_target_scores(logits_fn(model), head, hidden, targets,
+                                               chunk=chunk_tokens(model.compute))
     else:
         scores = ops.target_scores(out, targets)
     return scores if cache is None else (*scores, cache)

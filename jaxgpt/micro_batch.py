@@ -85,11 +85,12 @@ def block_values(cfg: GPTConfig) -> int:
     """Values one block keeps per token for its backward pass: the inputs of its two norms and
     their outputs (4d), the queries, keys and values (H·D + 2·H_kv·D), the attention's output
     (H·D) and each FFN layer's hidden values before the activation (d_ff, twice that gated);
-    the elementwise ops' outputs (the activation's, a norm's statistics) are recomputed.
-    GPT-2: 4d + 3d + d + 4d = 12d."""
+    the elementwise ops' outputs (the activation's, a norm's statistics) are recomputed. With
+    qk_norm the attention reads the normalised queries and keys, and their norms the projected
+    ones: H·D + H_kv·D more. GPT-2: 4d + 3d + d + 4d = 12d."""
     gated = 2 if cfg.activation in ops.GATED_ACTIVATIONS else 1
-    return (4 * cfg.d_model + (2 * cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
-            + cfg.ffn_layers * gated * cfg.d_ff)
+    heads = (2 * cfg.n_head + 2 * cfg.n_kv_head + (cfg.n_head + cfg.n_kv_head) * cfg.qk_norm) * cfg.head_dim
+    return 4 * cfg.d_model + heads + cfg.ffn_layers * gated * cfg.d_ff
 
 
 def row_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:

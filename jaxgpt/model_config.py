@@ -204,7 +204,7 @@ class ComputeConfig:
       refuses it; jaxgpt.quantize.params_for makes such params from float ones.
     loss_chunk: 0 computes the logits of a whole batch at once. n > 0 computes the unembedding
       and the cross-entropy n tokens at a time on each device (the batch's tokens padded to a
-      whole number of chunks), with the loss's gradient taken chunk by chunk (ops.chunked_cross_entropy),
+      whole number of chunks), with the loss's gradient taken chunk by chunk (chunked.chunked_cross_entropy),
       so that no device ever holds the logits of all its tokens, nor their gradient; evaluation and
       the likelihoods read the targets' log-probabilities chunk by chunk too.
     """

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgpt import layout, ops
+from jaxgpt import chunked, layout, ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.loss import chunk_tokens, logits_fn, score_targets
 from jaxgpt.model import GPT, param_layout
@@ -53,7 +53,7 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *,
             count=None):
     """Cross-entropy of the model's next-token predictions: the mean over the targets where
     `mask` is True, or their sum over `count` (see ops.cross_entropy); with compute.loss_chunk,
-    the logits made and their gradient taken a chunk of tokens at a time (ops.chunked_cross_entropy)."""
+    the logits made and their gradient taken a chunk of tokens at a time (chunked.chunked_cross_entropy)."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     chunk = model.compute.loss_chunk
     out = model.apply({"params": params}, inputs, positions=positions, segments=segments,
@@ -61,7 +61,7 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *,
     if not chunk:
         return ops.cross_entropy(out, targets, mask, count)
     hidden, head = out
-    return ops.chunked_cross_entropy(logits_fn(model), head, hidden, targets, mask, count,
+    return chunked.chunked_cross_entropy(logits_fn(model), head, hidden, targets, mask, count,
                                      chunk=chunk_tokens(model.compute))
 
 

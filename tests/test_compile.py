@@ -375,3 +375,34 @@ def test_a_vocabulary_left_to_the_tokenizer_is_read_from_one_that_exists(tmp_pat
     (tmp_path / "run").mkdir()
     pinned.save(tmp_path / "run" / "tokenizer.json")  # a run's own tokenizer comes first
     assert ahead.model_of(config).vocab_size == pinned.vocab_size != corpus.tokenizer.vocab_size
+
+
+COUNTED = TINY[1:-4] + ["--config.model.vocab_size=512", "--config.model.block_size=32", "--config.train.optimizer=muon", "--config.mesh.data=1",
+                       "--config.mesh.cpu_devices=1", "--config.train.eval_batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def counted():
+    """XLA's counts of the tiny model's train and eval steps, with what it leaves out of their loops added back
+    (jaxgpt.compile_counts): 16 rows at once, and 8 rows twice (grad_accum) with the loss 32 tokens at a time (8
+    chunks a micro-batch)."""
+    from jaxgpt.cli import parse_config
+
+    steps = {"whole": ["--config.train.batch_size=16", "--config.train.grad_accum=1"],
+             "looped": ["--config.train.batch_size=8", "--config.train.grad_accum=2", "--config.compute.loss_chunk=32"]}
+    out = {}
+    for name, argv in steps.items():
+        config = parse_config(["compile", *COUNTED, *argv], ahead.DEFAULT_CONFIG)
+        out[name] = {p.name: (ahead.figures(p, None, 1), p) for p in ahead.compile_programs(config, generate=False)[1]}
+    return out
+
+
+def test_a_steps_counts_hold_every_micro_batch_and_chunk_and_the_update_once(counted):
+    """The same tokens make the same FLOPs and about the same bytes, however the step loops over them: XLA counts a
+    loop's body once, and the report adds back what it leaves out."""
+    for step in ("train step", "eval step"):
+        (whole, _), (looped, program) = counted["whole"][step], counted["looped"][step]
+        assert looped["flops"] == pytest.approx(whole["flops"], rel=0.03), step
+        assert looped["bytes_accessed"] == pytest.approx(whole["bytes_accessed"], rel=0.25), step
+        raw = program.loop * ahead._cost(program.compiled)["flops"]  # what XLA's count alone would say
+        assert abs(raw - whole["flops"]) > 0.1 * whole["flops"], step  # so the check above could fail

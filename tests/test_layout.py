@@ -23,7 +23,8 @@ LAYERS = (
     ("errors", "files", "lazy", "ops", "axes", "platforms", "gpus"),  # axes: the mesh's names; platforms: JAX's;
     # gpus: the GPUs jaxgpt.compile describes to XLA
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
-    ("attention", "positions", "muon"),  # registries of forms, kernels, schemes; muon: NS over banks
+    # registries of forms, kernels, schemes; muon: NS over banks; chunked: the loss a chunk of tokens at a time
+    ("attention", "positions", "muon", "chunked"),
     ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
     ("data_config",),  # the data section of the schema
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
@@ -36,7 +37,8 @@ LAYERS = (
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
     ("opening",),  # a run opened in order: the directory, the config, its checks, the mesh, the data, the state
     ("run", "completions", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
-    ("compile_args", "compile_table", "compile_gpu"),  # jaxgpt.compile's command line, its report's table, GPUs
+    # jaxgpt.compile's command line, its report's table, GPUs, what XLA's counts of loops leave out
+    ("compile_args", "compile_table", "compile_gpu", "compile_counts"),
     ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
     ("sweep_summary",),  # a sweep's summary.csv, summary.md and val_loss.png, from its cells' run directories
     ("analysis", "export", "sweep", "harness"),  # harness: the lm-evaluation-harness's model "jaxgpt"

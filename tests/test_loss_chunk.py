@@ -1,5 +1,5 @@
 """compute.loss_chunk: the unembedding and the cross-entropy a chunk of tokens at a time
-(ops.chunked_cross_entropy, jaxgpt.loss) compute the whole-logits path's loss, gradients,
+(chunked.chunked_cross_entropy, jaxgpt.loss) compute the whole-logits path's loss, gradients,
 evaluation sums and scores, and the compiled program never holds the whole logits."""
 
 import json
@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgpt import ops
+from jaxgpt import chunked, ops
 from jaxgpt.likelihood import Row, score_rows
 from jaxgpt.loss import score_targets
 from jaxgpt.model import GPT
@@ -66,7 +66,7 @@ def test_chunked_cross_entropy_and_its_gradient_are_the_float64_formula(rng):
         return ops.softcap(x @ weights["w"] + weights["b"], cap)
 
     def loss(weights, x):
-        return ops.chunked_cross_entropy(logits_fn, weights, x, jnp.asarray(y), jnp.asarray(m), jnp.float32(count),
+        return chunked.chunked_cross_entropy(logits_fn, weights, x, jnp.asarray(y), jnp.asarray(m), jnp.float32(count),
                                          chunk=4)
 
     weights = {"w": jnp.asarray(w, jnp.float32), "b": jnp.asarray(b, jnp.float32)}

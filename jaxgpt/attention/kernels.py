@@ -82,7 +82,9 @@ def flash(q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
 
     def attend(q, k, v, bias, segments):  # q, k, v (B, H, T, D) on one device
         ids = None if segments is None else pallas.SegmentIds(segments, segments)
-        # the kernel adds the bias before it scales the scores: the queries come scaled instead
+        if bias is None:  # the kernel scales the scores: no pass over q
+            return pallas.flash_attention(q, k, v, None, ids, causal=True, sm_scale=D ** -0.5)
+        # it adds the bias before it scales the scores: the queries come scaled instead
         return pallas.flash_attention(q * D ** -0.5, k, v, bias, ids, causal=True, sm_scale=1.0)
 
     heads = lambda x: x.swapaxes(1, 2)  # noqa: E731 - (B, T, H, D) ↔ (B, H, T, D)
