@@ -2,13 +2,14 @@
 mesh) row, the largest batch that fits and the remat setting with the best roofline bound,
 each point compiled by `python -m jaxgpt.compile` (needs the tpu extra; no TPU).
 
-    python bench/tpu_table.py [--rows 124m-v5e-dp,...] [--out DIR]
+    python bench/tpu_table.py [--rows 124m-v5e-dp,...] [--loss_chunk 4096] [--out DIR]
 
 A point is rows per device r and compute.remat: r doubles from the row's first value while
 the train step fits the chip's HBM without remat, then goes on doubling with remat while it
-fits. Of the largest fitting point of each remat setting, the row reports the one with the
-higher MFU bound. Every figure is
-an upper bound from XLA's counts (jaxgpt.compile's table says how).
+fits; between the largest r that fits and the double that does not, r is then bisected to a
+quarter of r (remat as the last fit). Of the largest fitting point of each remat setting, the row reports the one
+with the higher MFU bound. --loss_chunk N: compute.loss_chunk (0: the whole logits). Every
+figure is an upper bound from XLA's counts (jaxgpt.compile's table says how).
 """
 
 from __future__ import annotations
@@ -39,16 +40,20 @@ ROWS = {
 }
 
 
+LOSS_CHUNK = [0]  # compute.loss_chunk of every point (--loss_chunk)
+
+
 def compile_point(shape: str, topology: str, devices: int, fsdp: int, rows: int, remat: bool, out: Path) -> dict | None:
     """jaxgpt.compile's JSON for one point, or None when the train step does not fit."""
-    model = SHAPES[shape]
-    path = out / f"{shape}-{topology}-fsdp{fsdp}-r{rows}-remat{int(remat)}.json"
+    model, chunk = SHAPES[shape], LOSS_CHUNK[0]
+    path = out / f"{shape}-{topology}-fsdp{fsdp}-r{rows}-remat{int(remat)}{f'-c{chunk}' if chunk else ''}.json"
     if not path.exists():
         argv = [sys.executable, "-m", "jaxgpt.compile", "--config=configs/gpt2_124m.py", f"--topology={topology}",
                 f"--json={path}", *(f"--config.model.{k}={v}" for k, v in model.items()),
                 f"--config.mesh.data={devices // fsdp}", f"--config.mesh.fsdp={fsdp}",
                 f"--config.train.batch_size={rows * devices}", "--config.train.grad_accum=1",
-                f"--config.compute.remat={remat}", "--config.compute.kernel=flash"]
+                f"--config.compute.remat={remat}", "--config.compute.kernel=flash",
+                f"--config.compute.loss_chunk={chunk}"]
         started = time.perf_counter()
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
         print(f"  {path.name}: exit {done.returncode} in {time.perf_counter() - started:.0f} s "
@@ -77,6 +82,14 @@ def best_of_row(name: str, out: Path) -> dict:
         rows //= 2
     if not found:
         raise SystemExit(f"{name}: not even one row per device fits, with remat")
+    remat = max(found)  # the last setting that fitted: bisect between its largest rows and their double,
+    low, high = found[remat][0], 2 * found[remat][0]  # to a quarter of the rows found
+    while high - low > max(1, low // 4):
+        middle = (low + high) // 2
+        if (train := compile_point(shape, topology, devices, fsdp, middle, remat, out)) is not None:
+            found[remat], low = (middle, train), middle
+        else:
+            high = middle
     best = max(found.items(), key=lambda item: item[1][1]["mfu_bound"])
     remat, (rows, train) = best
     return {"row": name, "model": shape, "topology": topology, "mesh": f"data={devices // fsdp}, fsdp={fsdp}",
@@ -88,8 +101,10 @@ def best_of_row(name: str, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--loss_chunk", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "runs" / "tpu_table"))
     args = parser.parse_args()
+    LOSS_CHUNK[0] = args.loss_chunk
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
