@@ -25,7 +25,7 @@ LAYERS = (
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
     ("attention", "positions", "muon"),  # registries of forms, kernels, schemes; muon: NS over banks
     ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
-    ("data_config",),  # the data section of the schema
+    ("data_config", "batch_schedule"),  # the data section of the schema; the rows of each step
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),
