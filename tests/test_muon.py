@@ -187,10 +187,15 @@ def test_muon_on_a_mesh_equals_one_device_and_its_state_restores_onto_other_mesh
 
 
 def test_muon_with_wsd_resumed_equals_uninterrupted(tmp_path, corpus):  # noqa: F811
+    """Muon with its switches (Polar Express, NorMuon, cautious weight decay) and a batch-size
+    schedule of 8 rows a step (two micro-batches) before step 4, then 4: a run stopped at step 3
+    and resumed ends where an uninterrupted one does, and both saw 8·4 + 4·2 rows."""
     from jaxgpt.run import train
 
     muon = {"train.optimizer": "muon", "train.schedule": "wsd", "train.lr": 0.02, "train.embed_lr": 0.01,
-            "train.cooldown_fraction": 0.75,  # and the recipe's model switches (configs/speedrun_*.py)
+            "train.cooldown_fraction": 0.75, "train.muon_coeffs": "polar_express", "train.normuon": True,
+            "train.cautious_weight_decay": True, "train.batch_schedule": ((4, 8),),
+            # and the recipe's model switches (configs/speedrun_*.py)
             "model.qk_norm": True, "model.activation": "relu2", "model.logit_softcap": 3.0,
             "model.zero_init_out": True, "model.tie_embeddings": False, "model.positions": "rope",
             "model.norm": "rmsnorm"}
@@ -201,6 +206,9 @@ def test_muon_with_wsd_resumed_equals_uninterrupted(tmp_path, corpus):  # noqa: 
     assert resumed["step"] == whole["step"] == 6
     assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-6)
     assert resumed["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    seen = {r["step"]: r["tokens_seen"] for r in records if "tokens_seen" in r}
+    assert seen[6] == (8 * 4 + 4 * 2) * 16 and seen[1] == 8 * 16  # rows × block_size
 
 
 # --- banks: the same updates as optax.contrib.muon, each device its own share ------------------
