@@ -29,6 +29,7 @@ from typing import Any
 
 from ml_collections import ConfigDict, config_dict
 
+from jaxgpt import batch_schedule
 from jaxgpt.data_config import (
     FLAT_DATA_KEYS,
     DataConfig,
@@ -41,7 +42,7 @@ from jaxgpt.data_config import (
 )
 from jaxgpt.errors import ConfigError, is_int, is_number, one_line
 from jaxgpt.model_config import COMPUTE_KEYS, ComputeConfig, GPTConfig
-from jaxgpt.optim import OPTIMIZERS, SCHEDULES  # the names train.optimizer and train.schedule may take
+from jaxgpt.optim import OPTIMIZERS, SCHEDULES, ns_coefficients  # the names train.optimizer, .schedule may take
 
 __all__ = ["FLAT_DATA_KEYS", "GROUP_LRS", "MOVED_KEYS", "RESUME", "ComputeConfig",
            "DataConfig", "FilesConfig", "GPTConfig", "HfConfig", "OcrConfig", "RecordsConfig", "SampleConfig",
@@ -49,6 +50,8 @@ __all__ = ["FLAT_DATA_KEYS", "GROUP_LRS", "MOVED_KEYS", "RESUME", "ComputeConfig
 
 RESUME = ("auto", "never", "must")
 GROUP_LRS = ("embed_lr", "head_lr", "scalar_lr")  # each parameter group's own peak learning rate
+# Muon's switches and their values when off: any other value needs train.optimizer='muon'
+MUON_SWITCHES = {"muon_coeffs": "quintic", "normuon": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,15 @@ class TrainConfig:
     # the most memory the parameters, gradients and AdamW state may take; None: the devices'
     # memory (on a CPU, 90% of the machine's RAM)
     memory_limit_gib: float | None = None
+    # Muon's Newton–Schulz coefficients: 'quintic' (one (a, b, c) every step), 'polar_express' (a row per
+    # step, 5 steps), or rows 'a,b,c; a,b,c; …', one per step (jaxgpt.optim.ns_coefficients)
+    muon_coeffs: str = "quintic"
+    normuon: bool = False  # NorMuon: Muon's update normalised per output neuron (jaxgpt.muon.scale_by_neuron_norm)
+    normuon_beta2: float = 0.95  # NorMuon's second-moment decay
+    cautious_weight_decay: bool = False  # the decay only where the update and the parameter agree in sign
+    # ((until_step, rows), …): the rows of the steps before each until_step; after the last, the run's rows
+    # (train.rows_per_step, or batch_size × grad_accum). Each a multiple of train.batch_size (jaxgpt.batch_schedule)
+    batch_schedule: tuple = ()
 
     def __post_init__(self):
         positive = ("steps", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
@@ -120,16 +132,17 @@ class TrainConfig:
             _check_train(self, value is None or (is_int(value) and value > 0), key, "None or a positive integer")
         for key in ("lr", "min_lr", "weight_decay", "clip", "eps"):
             _check_train(self, is_number(getattr(self, key)) and getattr(self, key) >= 0, key, "a number ≥ 0")
-        for key in ("b1", "b2", "muon_momentum"):
+        for key in ("b1", "b2", "muon_momentum", "normuon_beta2"):
             value = getattr(self, key)
             _check_train(self, is_number(value) and 0 <= value < 1, key, "a number in [0, 1)")
-        for key in ("decay_embeddings", "async_checkpoints", "muon_nesterov"):
+        for key in ("decay_embeddings", "async_checkpoints", "muon_nesterov", "normuon", "cautious_weight_decay"):
             _check_train(self, isinstance(getattr(self, key), bool), key, "True or False")
         for key in ("peak_flops", "memory_limit_gib"):
             value = getattr(self, key)
             _check_train(self, value is None or (is_number(value) and value > 0), key, "None or a positive number")
         self._check_batch()
         self._check_optimizer()
+        self._check_muon()
         self._check_schedule()
 
     def _check_batch(self) -> None:
@@ -144,6 +157,34 @@ class TrainConfig:
             if rows % value:
                 raise ConfigError(f"train.rows_per_step={rows} is not a multiple of train.{key}={value}: choose a "
                                   f"divisor of {rows}, or set both train.batch_size and train.grad_accum")
+        self._check_batch_schedule()
+
+    def _check_batch_schedule(self) -> None:
+        """Each (until_step, rows) of batch_schedule a multiple of the micro-batch, where it is known."""
+        micro = self.batch_size or (self.rows_per_step // self.grad_accum if self.grad_accum else None)
+        object.__setattr__(self, "batch_schedule", batch_schedule.checked(self.batch_schedule, micro))
+
+    @property
+    def step_rows(self) -> int:
+        """The rows of a step after batch_schedule's last pair: batch_size × grad_accum, or rows_per_step."""
+        return self.batch_size * self.grad_accum if self.batch_size and self.grad_accum else self.rows_per_step
+
+    def _check_muon(self) -> None:
+        """Muon's switches need Muon; a coefficient table has one row per Newton–Schulz step."""
+        try:
+            coeffs = ns_coefficients(self.muon_coeffs)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        table = isinstance(coeffs[0], tuple)
+        if table and len(coeffs) != self.muon_ns_steps:
+            raise ConfigError(f"train.muon_coeffs={self.muon_coeffs!r} has {len(coeffs)} rows, one per Newton–Schulz "
+                              f"step, but train.muon_ns_steps={self.muon_ns_steps}: set train.muon_ns_steps="
+                              f"{len(coeffs)}, or give {self.muon_ns_steps} rows")
+        switches = [f"train.{key}={getattr(self, key)!r}" for key, off in MUON_SWITCHES.items()
+                    if getattr(self, key) != off]
+        if switches and self.optimizer != "muon":
+            raise ConfigError(f"{', '.join(switches)} needs train.optimizer='muon' (the setting changes Muon's "
+                              f"update; it is {self.optimizer!r}): set --config.train.optimizer=muon, or drop it")
 
     def _check_optimizer(self) -> None:
         _check_train(self, self.optimizer in OPTIMIZERS, "optimizer", " or ".join(map(repr, OPTIMIZERS)))

@@ -145,7 +145,9 @@ def param_shardings(layout, mesh, rules=RULES):
 def tree_shardings(tree, layout, mesh, rules=RULES):
     """A NamedSharding for every leaf of `tree` (a train state: step, params, optimizer state):
     a leaf whose path ends with a parameter's path and has its shape (the params themselves,
-    AdamW's moments, Muon's momentum) is laid out as that parameter; anything else is whole."""
+    AdamW's moments, Muon's momentum) is laid out as that parameter, one with some of its
+    dimensions reduced to 1 (NorMuon's statistics per neuron) as it on the others; anything else
+    is whole."""
     specs = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(layout, is_leaf=is_declared):
         specs[_names(path)] = (tuple(leaf.value.shape), spec(leaf, mesh, rules))
@@ -156,9 +158,22 @@ def tree_shardings(tree, layout, mesh, rules=RULES):
             found = specs.get(names[start:])
             if found is not None and found[0] == shape:
                 return NamedSharding(mesh, found[1])
+            reduced = None if found is None else _reduced(shape, *found)
+            if reduced is not None:
+                return NamedSharding(mesh, reduced)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(place, tree)
+
+
+def _reduced(shape: tuple[int, ...], full: tuple[int, ...], at: P) -> P | None:
+    """The spec of a parameter (of shape `full`, laid out `at`) for a leaf of `shape`, that shape
+    with some dimensions 1: split as the parameter where it kept the size, whole where it is 1;
+    None for another shape."""
+    if len(shape) != len(full) or any(n not in (1, m) for n, m in zip(shape, full, strict=True)):
+        return None
+    axes = tuple(at) + (None,) * (len(full) - len(at))
+    return P(*(axis if n == m else None for n, m, axis in zip(shape, full, axes, strict=True)))
 
 
 def _names(path) -> tuple[str, ...]:

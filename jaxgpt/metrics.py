@@ -110,10 +110,13 @@ class Meter:
     metrics after it has dispatched step n + 1 and the devices never wait for the host;
     `record` averages the losses fetched since the last record and adds throughput and MFU
     over that interval, which ends when its last step's metrics arrived; `restart_clock`
-    leaves evaluation and saving out of the next interval's time."""
+    leaves evaluation and saving out of the next interval's time. `tokens_before(step)`: the
+    tokens of the steps before `step` (None: step · tokens_per_step; a batch-size schedule's)."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, measured: bool = False):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, measured: bool = False,
+                 tokens_before=None):
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.tokens_before = tokens_before or (lambda step: step * tokens_per_step)
         self.measured = measured  # the peak is the machine's measured one (cached_matmul_peak), not configured
         self.pending: list[tuple[int, Any]] = []
         self.losses: list[float] = []
@@ -144,7 +147,7 @@ class Meter:
         """The record of the interval that ends at `step` (fetch through it first); the next
         interval starts where this one ended."""
         seconds = max(self.fetched_at - self.interval_start, 1e-9)
-        tokens_per_sec = len(self.losses) * self.tokens_per_step / seconds
+        tokens_per_sec = (self.tokens_before(step) - self.tokens_before(step - len(self.losses))) / seconds
         if self.measured and self.peak and self.flops_per_token * tokens_per_sec > self.peak:
             # training outran the measured peak, which a busy machine measured too low: measured
             # again, and never below what training reached; the time that takes is not training
@@ -158,7 +161,7 @@ class Meter:
             "tokens_per_sec": tokens_per_sec,
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
             "elapsed": self.fetched_at - self.run_start,
-            "tokens_seen": step * self.tokens_per_step,
+            "tokens_seen": self.tokens_before(step),
         }
         self.losses, self.interval_start = [], self.fetched_at
         return record

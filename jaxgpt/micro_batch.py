@@ -18,7 +18,9 @@ train.memory_limit_gib, over all devices, overrides).
 
 An explicit setting wins: train.batch_size and train.grad_accum both set make the step
 (rows_per_step is then unused, and said so); one of them set, the other follows from
-rows_per_step. rows_per_step = 0 (the default) is today's batch_size × grad_accum.
+rows_per_step. rows_per_step = 0 (the default) is today's batch_size × grad_accum. Under
+train.batch_schedule, r divides a device's share of every scheduled step's rows too (their
+greatest common divisor), so each step is a whole number of micro-batches.
 
     config = resolved(config, mesh, cfg, compute)   # when a run opens (jaxgpt.opening), the data read
     plan(train, ways, state, row, memory)           # the arithmetic alone
@@ -134,11 +136,13 @@ def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, me
         return Plan(batch, accum, unused)
     if batch or accum:
         return Plan(batch or rows // accum, accum or rows // batch)
-    if rows % ways:
-        raise ConfigError(f"train.rows_per_step={rows} must be divisible by the {ways} devices its rows are split "
-                          f"over (the mesh's data × fsdp): choose a multiple of {ways}, or set train.batch_size and "
-                          "train.grad_accum")
-    per_device = rows_per_device(rows // ways, state, row, memory)
+    common = math.gcd(rows, *(r for _, r in train.batch_schedule))  # the micro-batch divides every step's rows
+    if common % ways:
+        scheduled = f" and train.batch_schedule's rows (their divisor {common})" if common != rows else ""
+        raise ConfigError(f"train.rows_per_step={rows}{scheduled} must be divisible by the {ways} devices its rows are "
+                          f"split over (the mesh's data × fsdp): choose a multiple of {ways}, or set train.batch_size "
+                          "and train.grad_accum")
+    per_device = rows_per_device(common // ways, state, row, memory)
     batch = per_device * ways
     why = (f"train.batch_size={batch} ({per_device} rows on each of {ways} devices) × train.grad_accum="
            f"{rows // batch} = train.rows_per_step={rows}: ")

@@ -21,6 +21,12 @@ matrix products instead of one chain per parameter.
 
 The state is optax.contrib.MuonState (count, momentum in the params' structure, the NS
 coefficients), so a state written by optax.contrib.scale_by_muon restores into it.
+
+NorMuon (scale_by_neuron_norm) then normalises each matrix's update O per output neuron i
+(each index of its output axes), with a second moment v kept per neuron:
+
+    v_i ← β₂·v_i + (1−β₂)·mean_j O_ij²         (j over the matrix's reduction axes)
+    Ô = O / √max(v, ε),   update = Ô · ‖O‖_F / max(‖Ô‖_F, ε)     (each matrix keeps its norm)
 """
 
 from __future__ import annotations
@@ -172,3 +178,55 @@ def scale_by_width(declared) -> optax.GradientTransformation:
         return jax.tree_util.tree_map_with_path(scale, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+class NeuronNormState(NamedTuple):
+    """NorMuon's state: `nu`, each output neuron's moving mean of its update's mean square, in the
+    params' structure, each leaf the parameter's shape with its reduction axes kept as 1."""
+
+    nu: optax.Params
+
+
+def neuron_normalised(o, nu, reduction: tuple[int, ...], output: tuple[int, ...], eps: float):
+    """Ô · ‖O‖_F/max(‖Ô‖_F, ε) with Ô = O/√max(ν, ε): each output neuron's row of O divided by its
+    RMS estimate √ν (broadcast over the reduction axes), each matrix (its reduction × output
+    axes; batch axes apart) rescaled to the norm it had."""
+    scaled = o * jax.lax.rsqrt(jnp.maximum(nu, eps))
+    norm_of = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axis=reduction + output, keepdims=True))  # noqa: E731
+    return scaled * (norm_of(o) / jnp.maximum(norm_of(scaled), eps))
+
+
+def scale_by_neuron_norm(declared, beta2: float, eps: float = 1e-10) -> optax.GradientTransformation:
+    """NorMuon's normalisation (module docstring) of the orthogonalised updates of the matrices
+    `declared` names: ν ← β₂ν + (1−β₂)·mean over the reduction axes of O², then
+    neuron_normalised. Each matrix's own rows: the batch axes (Q, K, V; the layers) are never
+    reduced over. It runs in the parameters' layout, so under a mesh each reduction is XLA's
+    over the devices that hold that matrix's shards."""
+    found = {jax.tree_util.keystr(path): leaf
+             for path, leaf in jax.tree_util.tree_leaves_with_path(declared, is_leaf=layout.is_declared)}
+
+    def axes_at(path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return layout.matrix_axes(found[jax.tree_util.keystr(path)])
+
+    def init(params):
+        def zeros(path, p):
+            reduction, _ = axes_at(path)
+            return jnp.zeros([1 if i in reduction else n for i, n in enumerate(p.shape)], jnp.float32)
+
+        return NeuronNormState(nu=jax.tree_util.tree_map_with_path(zeros, params))
+
+    def update(updates, state, params=None):
+        del params
+
+        def moment(path, o, nu):
+            reduction, _ = axes_at(path)
+            return beta2 * nu + (1 - beta2) * jnp.mean(jnp.square(o.astype(jnp.float32)), axis=reduction,
+                                                        keepdims=True)
+
+        nu = jax.tree_util.tree_map_with_path(moment, updates, state.nu)
+        normalised = jax.tree_util.tree_map_with_path(
+            lambda path, o, v: neuron_normalised(o.astype(jnp.float32), v, *axes_at(path), eps).astype(o.dtype),
+            updates, nu)
+        return normalised, NeuronNormState(nu=nu)
+
+    return optax.GradientTransformation(init, update)

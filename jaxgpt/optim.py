@@ -9,6 +9,9 @@ warmup–stable–decay schedule, each parameter group at its own peak learning 
     θ ← θ − lr_g(t)·(m̂/(√v̂ + ε) + λθ)                          (AdamW; λ on matrices, embeddings optional)
     θ ← θ − lr(t)·(s·NS(M̃) + λθ)                               (Muon, the blocks' matrices: M̃ the Nesterov
                                                                 momentum, NS its Newton–Schulz orthogonalisation)
+    NS's coefficients: the quintic's (a, b, c) each step, or Polar Express's row per step (train.muon_coeffs);
+    NorMuon (train.normuon): NS(M̃) normalised per output neuron (jaxgpt.muon.scale_by_neuron_norm);
+    cautious weight decay (train.cautious_weight_decay): λθ only where u·θ ≥ 0 (u the update before it)
 
 Both registries (OPTIMIZERS, SCHEDULES) map the names train.optimizer and train.schedule may
 take to their builders: they are the lists of those names (jaxgpt.config checks against them).
@@ -25,9 +28,20 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from jaxgpt import layout
-from jaxgpt.muon import scale_by_banked_muon, scale_by_width
+from jaxgpt.muon import scale_by_banked_muon, scale_by_neuron_norm, scale_by_width
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): optax's and modded-nanogpt's
+# Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one (a, b, c) per step, each step's
+# polynomial the minimax-optimal odd quintic for the singular values the steps before leave; these are
+# modded-nanogpt's (5 steps, safety factor 2e-2, cushion 2)
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+NS_TABLES = {"quintic": NS_COEFFS, "polar_express": POLAR_EXPRESS}  # the names train.muon_coeffs may take
 TrainConfig = Any  # jaxgpt.config's train section, which checks its names against OPTIMIZERS and SCHEDULES here
 
 # --- learning-rate schedules --------------------------------------------------------------
@@ -113,6 +127,47 @@ def scale_by_group_learning_rate(train: TrainConfig, schedule: optax.Schedule, d
     return optax.GradientTransformation(init, update)
 
 
+# --- Newton–Schulz coefficients and weight decay -------------------------------------------
+
+
+def ns_coefficients(setting: str) -> tuple:
+    """train.muon_coeffs as optax.contrib.muon's ns_coeffs: a name of NS_TABLES (the quintic's one
+    (a, b, c), used every step; Polar Express's rows, one per step), or rows 'a,b,c; a,b,c; …'
+    (one per step; a single row: every step). ValueError, in one line, for anything else."""
+    if setting in NS_TABLES:
+        return NS_TABLES[setting]
+    try:
+        rows = tuple(tuple(float(x) for x in row.split(",")) for row in str(setting).split(";") if row.strip())
+    except ValueError:
+        rows = ()
+    if not rows or any(len(row) != 3 for row in rows):
+        raise ValueError(f"train.muon_coeffs={setting!r}: must be {' or '.join(map(repr, NS_TABLES))}, or one "
+                         "'a,b,c' row per Newton–Schulz step, separated by ';'")
+    return rows[0] if len(rows) == 1 else rows
+
+
+def add_cautious_decayed_weights(weight_decay: float, mask=None) -> optax.GradientTransformation:
+    """u ← u + λθ·[u·θ ≥ 0]: decoupled weight decay only where it does not oppose the update u
+    (each element; cautious weight decay). Its state is optax.add_decayed_weights's (none)."""
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("cautious weight decay needs the params: pass them to the optimizer's update")
+        decayed = jax.tree.map(lambda u, p: u + weight_decay * jnp.where(u * p >= 0, p, 0).astype(u.dtype),
+                               updates, params)
+        return decayed, state
+
+    cautious = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return cautious if mask is None else optax.masked(cautious, mask)
+
+
+def add_decayed_weights(train: TrainConfig, mask=None) -> optax.GradientTransformation:
+    """u ← u + λθ where `mask` says (optax.add_decayed_weights), or cautiously with
+    train.cautious_weight_decay (add_cautious_decayed_weights)."""
+    if train.cautious_weight_decay:
+        return add_cautious_decayed_weights(train.weight_decay, mask)
+    return optax.add_decayed_weights(train.weight_decay, mask)
+
+
 # --- optimizers ---------------------------------------------------------------------------
 
 
@@ -121,8 +176,7 @@ def adamw(train: TrainConfig, schedule: optax.Schedule, declared) -> optax.Gradi
     with no group rate set it is optax.adamw(schedule, …) exactly, its state included."""
     return optax.chain(
         optax.scale_by_adam(b1=train.b1, b2=train.b2, eps=train.eps),
-        optax.add_decayed_weights(train.weight_decay, per_param(
-            lambda leaf: layout.decays(leaf, train.decay_embeddings), declared)),
+        add_decayed_weights(train, per_param(lambda leaf: layout.decays(leaf, train.decay_embeddings), declared)),
         scale_by_group_learning_rate(train, schedule, declared),
     )
 
@@ -138,16 +192,20 @@ def muon_dimension_numbers(declared) -> Callable:
 
 
 def muon(train: TrainConfig, schedule: optax.Schedule, declared) -> optax.GradientTransformation:
-    """The matrix group through Muon (momentum β, Nesterov, muon_ns_steps Newton–Schulz steps
-    over banks of same-shaped matrices, each device its share: jaxgpt.muon; optax's shape
-    scaling, weight decay λ, rate lr(t)); the embed, head and scalar groups through `adamw` at
-    their own rates. The updates are optax.contrib.muon's, and so is the state's layout (its
-    AdamW branch, which holds no parameter here, included): its checkpoints resume."""
+    """The matrix group through Muon (momentum β, Nesterov, muon_ns_steps Newton–Schulz steps of
+    train.muon_coeffs over banks of same-shaped matrices, each device its share: jaxgpt.muon;
+    NorMuon's normalisation per neuron with train.normuon; optax's shape scaling, weight decay
+    λ (cautious with train.cautious_weight_decay), rate lr(t)); the embed, head and scalar
+    groups through `adamw` at their own rates. Without NorMuon the updates are
+    optax.contrib.muon's (given the same ns_coeffs), and so is the state's layout (its AdamW
+    branch, which holds no parameter here, included): its checkpoints resume."""
+    normuon = [scale_by_neuron_norm(declared, train.normuon_beta2)] if train.normuon else []
     matrices = optax.chain(
-        scale_by_banked_muon(declared, NS_COEFFS, train.muon_ns_steps, train.muon_momentum,
+        scale_by_banked_muon(declared, ns_coefficients(train.muon_coeffs), train.muon_ns_steps, train.muon_momentum,
                              nesterov=train.muon_nesterov),
+        *normuon,
         scale_by_width(declared),
-        optax.add_decayed_weights(train.weight_decay),
+        add_decayed_weights(train),
         optax.scale_by_learning_rate(schedule))
     as_optax = optax.partition({"muon": matrices, "adam": optax.adamw(schedule)},
                                lambda params: jax.tree.map(lambda _: "muon", params))

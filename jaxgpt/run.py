@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxgpt import data, metrics, sharding
+from jaxgpt import batch_schedule, data, metrics, sharding
 from jaxgpt.checkpoint import NonFiniteState, first_non_finite, tree_checksums
 from jaxgpt.config import SampleConfig, TrainConfig
 from jaxgpt.errors import TrainingError, one_line
@@ -50,16 +50,20 @@ __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "Run", "TrainingError", "compute_con
 # --- the step and its batches --------------------------------------------------------------
 
 
-def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, abstract: TrainState, packed: bool):
+def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, abstract: TrainState, packed: bool,
+                     grad_accum: int | None = None):
     """train_step(state, batch, seed) lowered for the state `abstract` (shapes, dtypes and
     shardings) and batches of train_cfg's rows (packed: records' rows, else text windows),
     ready to compile; train.py and jaxgpt.compile both build it here. The step's dropout key,
-    fold_in(key(seed), state.step), is made inside it: the loop runs one program per step."""
+    fold_in(key(seed), state.step), is made inside it: the loop runs one program per step.
+    `grad_accum`: micro-batches of train.batch_size rows a step (None: train.grad_accum; a
+    batch-size schedule's steps take others)."""
+    accum = train_cfg.grad_accum if grad_accum is None else grad_accum
     batches = sharding.batch_sharding(mesh)
-    fields = batch_fields(train_cfg.grad_accum * train_cfg.batch_size, gpt.cfg.block_size, packed)
+    fields = batch_fields(accum * train_cfg.batch_size, gpt.cfg.block_size, packed)
     batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=batches) for shape, dtype in fields)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), train_cfg.grad_accum, shardings.params)
+    step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), accum, shardings.params)
     jitted = jax.jit(seeded(step), in_shardings=(shardings, (batches,) * len(batch), None),
                      out_shardings=(shardings, None), donate_argnums=0,
                      compiler_options=sharding.compiler_options(mesh))
@@ -67,15 +71,24 @@ def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, ab
         return jitted.lower(abstract, batch, train_cfg.seed)
 
 
+def rows_at(train_cfg: TrainConfig):
+    """step ↦ the rows of its batch: train.batch_schedule's, then batch_size × grad_accum."""
+    rows = train_cfg.grad_accum * train_cfg.batch_size
+    return lambda step: batch_schedule.rows_at(train_cfg.batch_schedule, rows, step)
+
+
 def _batch_maker(run: Run):
     """make_batch(step, rows): the rows of step's training batch, on the host."""
-    rows = run.train.grad_accum * run.train.batch_size
+    tc = run.train
+    rows_of = rows_at(tc)
 
     def make_batch(step: int, part: slice):
         if run.corpus.records:
-            return data.packed_batch(run.corpus.examples["train"], run.layouts["train"], seed=run.train.seed,
-                                     step=step, batch_size=rows, rows=part, loss_on=run.config.data.records.loss_on)
-        return data.train_batch(run.corpus.train, seed=run.train.seed, step=step, batch_size=rows,
+            before = batch_schedule.rows_before(tc.batch_schedule, tc.grad_accum * tc.batch_size, step)
+            return data.packed_batch(run.corpus.examples["train"], run.layouts["train"], seed=tc.seed, step=step,
+                                     batch_size=rows_of(step), rows=part, loss_on=run.config.data.records.loss_on,
+                                     drawn_before=before)
+        return data.train_batch(run.corpus.train, seed=tc.seed, step=step, batch_size=rows_of(step),
                                 block_size=run.model.block_size, rows=part)
 
     return make_batch
@@ -84,8 +97,7 @@ def _batch_maker(run: Run):
 def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
     """The training batches from start_step on, made ahead and laid out on the mesh."""
     return data.DeviceBatches(_batch_maker(run), start_step=start_step, end_step=run.train.steps,
-                              batch_size=run.train.grad_accum * run.train.batch_size,
-                              sharding=sharding.batch_sharding(run.mesh))
+                              batch_size=rows_at(run.train), sharding=sharding.batch_sharding(run.mesh))
 
 
 def evaluate(run: Run, params) -> dict:
@@ -147,19 +159,26 @@ def train(config, explicit: Collection[str] = ()) -> dict:
             run.lock.release()
 
 
-def _state_and_step(run: Run, optimizer) -> tuple[TrainState, int, Any]:
-    """(the state, the step to start at, the compiled train step, or None when no step is
-    left). XLA compiles the step in a thread while the state is made or restored: a first
-    run waits for the longer of the two, not their sum."""
+def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, Any]]:
+    """(the state, the step to start at, the compiled train step of each batch's rows: one, or
+    one per distinct rows of train.batch_schedule from the start on; none when no step is left).
+    XLA compiles the steps in a thread while the state is made or restored: a first run waits
+    for the longer of the two, not their sum."""
+    tc = run.train
     abstract = abstract_state(run.gpt, optimizer, run.mesh)
-    lowered = lower_train_step(run.gpt, run.train, run.mesh, optimizer, abstract, run.corpus.records)
-    finished = run.resuming and max(run.checkpoints.steps(), default=0) >= run.train.steps
+    saved = max(run.checkpoints.steps(), default=0) if run.resuming else 0
+    rows = batch_schedule.distinct_rows(tc.batch_schedule, tc.grad_accum * tc.batch_size, saved, tc.steps)
+    lowered = {r: lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records,
+                                   r // tc.batch_size) for r in rows}
     with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
-        compiling = None if finished else compiler.submit(lowered.compile)
-        state, _, start_step = init_or_restore(run, optimizer, run.train.seed, abstract)
-    if start_step >= run.train.steps:
-        return state, start_step, None
-    return state, start_step, compiling.result() if compiling else lowered.compile()
+        compiling = {r: compiler.submit(program.compile) for r, program in lowered.items()} if saved < tc.steps else {}
+        state, _, start_step = init_or_restore(run, optimizer, tc.seed, abstract)
+    if start_step >= tc.steps:
+        return state, start_step, {}
+    needed = batch_schedule.distinct_rows(tc.batch_schedule, tc.grad_accum * tc.batch_size, start_step, tc.steps)
+    return state, start_step, {r: compiling[r].result() if r in compiling else
+                               lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records,
+                                                r // tc.batch_size).compile() for r in needed}
 
 
 def _train(run: Run, stop: StopRequested) -> dict:
@@ -171,10 +190,12 @@ def _train(run: Run, stop: StopRequested) -> dict:
     far was found finite."""
     tc = run.train
     optimizer = make_optimizer(tc, param_layout(run.gpt))
-    state, start_step, train_step = _state_and_step(run, optimizer)
+    state, start_step, train_steps = _state_and_steps(run, optimizer)
     tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
+    tokens_before = lambda step: run.model.block_size * batch_schedule.rows_before(  # noqa: E731
+        tc.batch_schedule, tc.grad_accum * tc.batch_size, step)
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
-        tc.peak_flops), measured=not tc.peak_flops)
+        tc.peak_flops), measured=not tc.peak_flops, tokens_before=tokens_before)
     log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
     log.message(_announcement(run, start_step, tokens_per_step, meter.peak))
     for split, layout in (run.layouts or {}).items():
@@ -183,7 +204,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
     with train_batches(run, start_step if not interrupted else tc.steps) as batches:
         try:
             for _, batch in batches:
-                state, step_metrics = train_step(state, batch, tc.seed)
+                state, step_metrics = train_steps[batch[0].shape[0]](state, batch, tc.seed)
                 run.checkpoints.check_saves()
                 step += 1
                 meter.add(step, step_metrics)
@@ -275,8 +296,10 @@ def _last_good(run: Run) -> str:
 def _announcement(run: Run, start_step: int, tokens_per_step: int, peak: float | None) -> str:
     cfg = run.model
     mfu = f"MFU against a peak of {peak / 1e9:.0f} GFLOP/s" if peak else "MFU not reported (set train.peak_flops)"
+    scheduled = f" (before that, train.batch_schedule's rows {list(run.train.batch_schedule)})" \
+        if run.train.batch_schedule else ""
     return (f"jaxgpt: {cfg.n_layer} layers, d_model {cfg.d_model}, {jax.device_count()} {jax.default_backend()} "
-            f"device(s), mesh {dict(run.mesh.shape)}, {tokens_per_step} tokens/step, "
+            f"device(s), mesh {dict(run.mesh.shape)}, {tokens_per_step} tokens/step{scheduled}, "
             f"{_start(run, start_step)}; {mfu}")
 
 

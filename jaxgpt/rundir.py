@@ -193,11 +193,16 @@ def resume_policy(resume: str, checkpoints: Checkpoints) -> bool:
     return bool(steps)
 
 
+# The train keys whose value the optimizer state holds (its layout, Muon's coefficients), with their value in
+# runs from before them: a resume keeps them
+STATE_KEYS = {"optimizer": "adamw", "muon_coeffs": "quintic", "normuon": False}
+
+
 def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
                    tokenizer: tokenizers.Tokenizer, train: TrainConfig | None = None) -> ComputeConfig | None:
     """A resume continues the run in the directory: the same model, the same tokenizer
     (its checkpoints mean nothing under another mapping of ids to text) and the same
-    optimizer (train.optimizer: its state is the checkpoints' other half). How it runs may
+    optimizer (train.optimizer, and the STATE_KEYS its state holds: the checkpoints' other half). How it runs may
     change; each change is said. Returns how the checkpoints were written (None: unknown,
     when config.json is missing: then the newest checkpoint's shapes must be cfg's)."""
     saved_path = directory / CONFIG_FILE
@@ -212,11 +217,12 @@ def check_same_run(directory: Path, cfg: GPTConfig, compute: ComputeConfig,
         if different:
             raise TrainingError(f"{directory} holds a run of another model ({different}, saved → asked); resume it "
                                 "with its own config or choose another --config.run_dir")
-        optimizer = saved.get("train", {}).get("optimizer", "adamw")  # runs from before Muon: AdamW
-        if train is not None and train.optimizer != optimizer:
-            raise TrainingError(f"{directory} holds a run trained with train.optimizer={optimizer!r}, whose state its "
-                                f"checkpoints keep: resume it with --config.train.optimizer={optimizer}, or give "
-                                f"train.optimizer={train.optimizer!r} another --config.run_dir")
+        for key, before in STATE_KEYS.items():  # a run from before a key: its value then
+            value = saved.get("train", {}).get(key, before)
+            if train is not None and getattr(train, key) != value:
+                raise TrainingError(f"{directory} holds a run trained with train.{key}={value!r}, whose state its "
+                                    f"checkpoints keep: resume it with --config.train.{key}={value}, or give "
+                                    f"train.{key}={getattr(train, key)!r} another --config.run_dir")
         written = saved_compute(saved)
         changes = [f"{key} {old!r} → {new!r}" for key, old in written.to_dict().items()
                    if (new := getattr(compute, key)) != old]

@@ -26,7 +26,7 @@ LAYERS = (
     # registries of forms, kernels, schemes; muon: NS over banks; chunked: the loss a chunk of tokens at a time
     ("attention", "positions", "muon", "chunked"),
     ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
-    ("data_config",),  # the data section of the schema
+    ("data_config", "batch_schedule"),  # the data section of the schema; the rows of each step
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),

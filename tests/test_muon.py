@@ -147,7 +147,8 @@ from jaxgpt.model import param_layout
 from jaxgpt.optim import make_optimizer
 from jaxgpt.training import abstract_state
 
-train = dataclasses.replace(st.TRAIN, optimizer="muon", schedule="wsd", embed_lr=0.01, scalar_lr=0.002)
+train = dataclasses.replace(st.TRAIN, optimizer="muon", schedule="wsd", embed_lr=0.01, scalar_lr=0.002,
+                            muon_coeffs="polar_express", normuon=True, cautious_weight_decay=True)
 # the modern recipe's model switches with it (configs/speedrun_*.py)
 cfg = dataclasses.replace(st.CFG, qk_norm=True, activation="relu2", logit_softcap=3.0, zero_init_out=True,
                           tie_embeddings=False, positions="rope", norm="rmsnorm", bias=False)
@@ -159,6 +160,9 @@ out = {"param_diff": max(float(np.abs(a - b).max()) for a, b in pairs), "sharded
 momentum = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
             if "'muon'" in jax.tree_util.keystr(path) and leaf.ndim >= 2]
 out["sharded_momentum"] = sum(not leaf.sharding.is_fully_replicated for leaf in momentum)
+neurons = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+           if "'muon'" in jax.tree_util.keystr(path) and ".nu[" in jax.tree_util.keystr(path)]
+out["sharded_neurons"] = sum(not leaf.sharding.is_fully_replicated for leaf in neurons)
 checkpoints = Checkpoints(sys.argv[1], async_save=False)
 checkpoints.save(3, state.to_dict())
 saved = jax.device_get(state.to_dict())
@@ -177,20 +181,26 @@ print(json.dumps(out))
 
 
 def test_muon_on_a_mesh_equals_one_device_and_its_state_restores_onto_other_meshes(tmp_path):
-    """On 8 CPU devices: three Muon steps (wsd, groups at their own rates) of the recipe's model on the (2, 2, 2)
-    mesh give the single device's losses and parameters; the state, its momentum sharded,
-    checkpoints and restores bit for bit onto (8, 1, 1) and one device."""
+    """On 8 CPU devices: three Muon steps (wsd, groups at their own rates; Polar Express, NorMuon,
+    cautious weight decay) of the recipe's model on the (2, 2, 2) mesh give the single device's
+    losses and parameters; the state, its momentum and NorMuon's statistics per neuron sharded
+    with their parameters, checkpoints and restores bit for bit onto (8, 1, 1) and one device."""
     out = json.loads(finished(with_devices(MESHES, tmp_path / "run", TESTS), timeout=300))
     assert out["loss_diff"] < 1e-5 and out["param_diff"] < 1e-5, out
-    assert out["sharded_leaves"] > 0 and out["sharded_momentum"] > 0, out
+    assert out["sharded_leaves"] > 0 and out["sharded_momentum"] > 0 and out["sharded_neurons"] > 0, out
     assert out["restored_onto"] == ["(8, 1, 1)", "(1, 1, 1)"]
 
 
 def test_muon_with_wsd_resumed_equals_uninterrupted(tmp_path, corpus):  # noqa: F811
+    """Muon with its switches (Polar Express, NorMuon, cautious weight decay) and a batch-size
+    schedule of 8 rows a step (two micro-batches) before step 4, then 4: a run stopped at step 3
+    and resumed ends where an uninterrupted one does, and both saw 8·4 + 4·2 rows."""
     from jaxgpt.run import train
 
     muon = {"train.optimizer": "muon", "train.schedule": "wsd", "train.lr": 0.02, "train.embed_lr": 0.01,
-            "train.cooldown_fraction": 0.75,  # and the recipe's model switches (configs/speedrun_*.py)
+            "train.cooldown_fraction": 0.75, "train.muon_coeffs": "polar_express", "train.normuon": True,
+            "train.cautious_weight_decay": True, "train.batch_schedule": ((4, 8),),
+            # and the recipe's model switches (configs/speedrun_*.py)
             "model.qk_norm": True, "model.activation": "relu2", "model.logit_softcap": 3.0,
             "model.zero_init_out": True, "model.tie_embeddings": False, "model.positions": "rope",
             "model.norm": "rmsnorm"}
@@ -201,6 +211,9 @@ def test_muon_with_wsd_resumed_equals_uninterrupted(tmp_path, corpus):  # noqa: 
     assert resumed["step"] == whole["step"] == 6
     assert_trees_close(final_params(tmp_path / "split"), final_params(tmp_path / "whole"), atol=1e-6)
     assert resumed["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    seen = {r["step"]: r["tokens_seen"] for r in records if "tokens_seen" in r}
+    assert seen[6] == (8 * 4 + 4 * 2) * 16 and seen[1] == 8 * 16  # rows × block_size
 
 
 # --- banks: the same updates as optax.contrib.muon, each device its own share ------------------

@@ -100,3 +100,9 @@ def test_a_resume_under_another_optimizer_is_refused_naming_it(tmp_path):
     assert str(refused.value) == (f"{tmp_path} holds a run trained with train.optimizer='adamw', whose state its "
                                   "checkpoints keep: resume it with --config.train.optimizer=adamw, or give "
                                   "train.optimizer='muon' another --config.run_dir")
+    muon = TrainConfig(optimizer="muon", muon_coeffs="polar_express")  # a key whose value the state holds
+    (tmp_path / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "compute": ComputeConfig().to_dict(),
+                                                      "train": {"optimizer": "muon"}}))  # from before muon_coeffs
+    with pytest.raises(TrainingError, match=r"holds a run trained with train.muon_coeffs='quintic', whose state its "
+                                            r"checkpoints keep: resume it with --config.train.muon_coeffs=quintic"):
+        check_same_run(tmp_path, cfg, ComputeConfig(), tokenizer, muon)

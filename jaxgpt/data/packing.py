@@ -13,7 +13,8 @@ fills the block; both are counted. Under truncate='error' either is a one-line e
 names the record.
 
 Row r of the global batch of step s is row π_e(i) of the layout, for i = (s·B + r) mod R,
-e = ⌊(s·B + r) / R⌋ the epoch and π_e a permutation drawn from (seed, e): every row once
+e = ⌊(s·B + r) / R⌋ the epoch (s·B: the rows drawn before step s, Σ of each step's own under a
+batch-size schedule) and π_e a permutation drawn from (seed, e): every row once
 per epoch, in a new order each epoch, and any batch can be made on its own, so a resumed
 run sees exactly the batches an uninterrupted one would.
 """
@@ -111,18 +112,20 @@ def _permutation(seed: int, epoch: int, rows: int) -> np.ndarray:
 
 
 def packed_batch(examples: Examples, layout: Layout, *, seed: int, step: int, batch_size: int,
-                 rows: slice | tuple[int, int] | None = None, loss_on: str = "completion"
-                 ) -> tuple[np.ndarray, ...]:
+                 rows: slice | tuple[int, int] | None = None, loss_on: str = "completion",
+                 drawn_before: int | None = None) -> tuple[np.ndarray, ...]:
     """(inputs, targets, mask, positions, segments), each (rows, block_size): rows of the
     global training batch of `step` (see the module docstring). The mask is True on the
     targets the loss counts: completions and their <|eos|> (loss_on='completion') or every
-    target of an example (loss_on='all'); never on padding."""
+    target of an example (loss_on='all'); never on padding. `drawn_before`: the rows of the
+    steps before (None: step · batch_size; a batch-size schedule's jaxgpt.batch_schedule.rows_before)."""
     check_sizes(batch_size, layout.block_size)
     if layout.rows == 0:
         raise DataError("no example fits in a row: raise model.block_size or shorten the records")
     first, last = row_range(rows, batch_size)
+    start = step * batch_size if drawn_before is None else drawn_before
     chosen = []
-    for g in range(step * batch_size + first, step * batch_size + last):
+    for g in range(start + first, start + last):
         epoch, i = divmod(g, layout.rows)
         chosen.append(int(_permutation(int(seed), epoch, layout.rows)[i]))
     return _fill(examples, layout, chosen, loss_on)

@@ -58,14 +58,15 @@ class DeviceBatches:
     """
 
     def __init__(self, make_batch: Callable[[int, slice], tuple[np.ndarray, ...]], *,
-                 start_step: int, batch_size: int, sharding: jax.sharding.Sharding,
+                 start_step: int, batch_size: int | Callable[[int], int], sharding: jax.sharding.Sharding,
                  end_step: int | None = None, size: int = 2):
         if not (isinstance(size, int) and size >= 1):
             raise DataError(f"prefetch size={size!r}: must be a positive integer")
         self._make_batch = make_batch
         self._sharding = sharding
-        self._batch_size = batch_size
-        self._rows = process_rows(sharding, batch_size)
+        self._batch_size = batch_size if callable(batch_size) else (lambda step: batch_size)
+        self._rows = {}  # a batch size → this process's rows of it
+        self._rows_of(self._batch_size(start_step))  # a size the sharding cannot lay out: said at once
         self._step, self._end_step = start_step, end_step
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stop = threading.Event()
@@ -84,12 +85,18 @@ class DeviceBatches:
         except BaseException as error:  # surfaced in the consumer's thread
             self._queue.put(_Failure(error))
 
+    def _rows_of(self, batch_size: int) -> list[slice]:
+        if batch_size not in self._rows:
+            self._rows[batch_size] = process_rows(self._sharding, batch_size)
+        return self._rows[batch_size]
+
     def _device_batch(self, step: int) -> tuple[jax.Array, ...]:
-        pieces = [self._make_batch(step, rows) for rows in self._rows]
+        batch_size = self._batch_size(step)
+        pieces = [self._make_batch(step, rows) for rows in self._rows_of(batch_size)]
         arrays = []
         for parts in zip(*pieces, strict=True):
             local = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            global_shape = (self._batch_size, *local.shape[1:])
+            global_shape = (batch_size, *local.shape[1:])
             arrays.append(jax.make_array_from_process_local_data(self._sharding, local,
                                                                  global_shape))
         return tuple(arrays)
