@@ -377,8 +377,9 @@ def test_a_vocabulary_left_to_the_tokenizer_is_read_from_one_that_exists(tmp_pat
     assert ahead.model_of(config).vocab_size == pinned.vocab_size != corpus.tokenizer.vocab_size
 
 
-COUNTED = TINY[1:-4] + ["--config.model.vocab_size=512", "--config.model.block_size=32", "--config.train.optimizer=muon",
-                         "--config.mesh.data=1", "--config.mesh.cpu_devices=1", "--config.train.eval_batch_size=16"]
+COUNTED = TINY[1:-4] + ["--config.model.vocab_size=512", "--config.model.block_size=32",
+                         "--config.train.optimizer=muon", "--config.mesh.data=1", "--config.mesh.cpu_devices=1",
+                         "--config.train.eval_batch_size=16"]
 
 
 @pytest.fixture(scope="module")
