@@ -6,8 +6,9 @@ bfloat16 compute with float32 parameters, ~0.5M tokens per step (512 rows × 102
 
 The rows each device takes at once are chosen from the device count and the memory of one
 device (jaxgpt.micro_batch; the run says what it chose), the rest of the 512 rows by gradient
-accumulation: 32 rows per chip in 2 micro-batches on v5e-8, 64 per chip on v4-8. An explicit
-train.batch_size and train.grad_accum (their product the rows per step) win.
+accumulation: 64 rows per chip in one micro-batch on v5e-8 (the loss 4096 tokens at a time,
+compute.loss_chunk, holds no row's logits). An explicit train.batch_size and train.grad_accum
+(their product the rows per step) win.
 """
 
 from jaxgpt.config import default_config
@@ -21,8 +22,9 @@ def get_config():
     config.model.update(vocab_size=50304,  # the tokenizer's 50257 padded to a multiple of 64, as GPUs like
                         n_layer=12, n_head=12, d_model=768, block_size=1024, dropout=0.0, bias=True,
                         tie_embeddings=True)
-    # how it runs (any of it may change on resume): the platform's own attention kernel, flash on a TPU
-    config.compute.update(kernel="auto", dtype="bfloat16", param_dtype="float32")
+    # how it runs (any of it may change on resume): the platform's own attention kernel, flash on a TPU; the
+    # unembedding and the loss 4096 tokens at a time on each device, so the logits never take a row's memory
+    config.compute.update(kernel="auto", dtype="bfloat16", param_dtype="float32", loss_chunk=4096)
     config.train.update(
         steps=600_000, rows_per_step=512, batch_size=0, grad_accum=0, lr=6e-4, min_lr=6e-5,
         warmup_steps=2000, decay_steps=600_000, b1=0.9, b2=0.95, weight_decay=0.1, clip=1.0,

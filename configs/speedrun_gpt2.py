@@ -27,7 +27,7 @@ def get_config():
                         n_layer=12, n_head=12, d_model=768, block_size=1024, dropout=0.0, bias=False,
                         positions="rope", norm="rmsnorm", activation="relu2", qk_norm=True, logit_softcap=15.0,
                         zero_init_out=True, tie_embeddings=False)
-    config.compute.update(kernel="auto", dtype="bfloat16", param_dtype="float32")
+    config.compute.update(kernel="auto", dtype="bfloat16", param_dtype="float32", loss_chunk=4096)
     config.train.update(
         optimizer="muon", lr=0.05, embed_lr=0.3, head_lr=0.008, scalar_lr=0.04, min_lr=0.0,
         b1=0.8, b2=0.95, eps=1e-10, weight_decay=0.0, clip=0.0,

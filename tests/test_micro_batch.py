@@ -143,6 +143,7 @@ def test_the_preset_takes_the_micro_batch_that_fits(capsys):
 
     config = load_config(CONFIGS / "gpt2_124m.py")
     config.train.memory_limit_gib = 8.0
+    config.compute.loss_chunk = 0  # the whole logits: a row's float32 logits counted in it
     mesh, cfg, compute = sharding.make_mesh(config.mesh), model_config(config, 1), compute_config(config, "cpu")
     chosen = resolved(config, mesh, cfg, compute)
     assert (chosen.train.batch_size, chosen.train.grad_accum, chosen.train.rows_per_step) == (4, 128, 512)
