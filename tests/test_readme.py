@@ -4,6 +4,7 @@ project's registries give; the README stays short, and its links and the pages' 
 
 import importlib
 import importlib.util
+import itertools
 import json
 import re
 import shlex
@@ -147,8 +148,8 @@ def sweep_tables():
         rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
                 for line in table[2:]]
         left = rest[len(table) + 1:]
-        left_out = [line[2:].split(": ", 1)[0] for line in left[1:] if line.startswith("- ")] \
-            if left and left[0] == "Not in this table:" else []
+        listed = itertools.takewhile(lambda line: line.startswith("- "), left[1:])  # the list right below it
+        left_out = [line[2:].split(": ", 1)[0] for line in listed] if left and left[0] == "Not in this table:" else []
         yield shlex.split(sweeps[0])[3:], rows, left_out
 
 
