@@ -188,7 +188,8 @@ def _scanned(block, cfg, compute, x, where, layer_caches: list, deterministic: b
     first half's outputs carried for the U-net's second half."""
     cache = None if layer_caches[0] is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layer_caches)
     kept = jnp.zeros((cfg.n_layer // 2, *x.shape), x.dtype) if "weight" in plan else None
-    layers = nn.scan(Layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
+    layers = nn.scan(Layer, variable_axes={"params": 0, "intermediates": 0},
+                     split_rngs={"params": True, "dropout": True},
                      in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layer,
                      metadata_params={nn.PARTITION_NAME: layout.LAYERS})
     (x, _), cache = layers(block, cfg, compute, name="h")((x, kept), where, cache, deterministic, rows, plan)
