@@ -201,6 +201,8 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
         (cfg.logit_softcap is not None, f"logit_softcap={cfg.logit_softcap!r}: GPT-2's logits are not capped"),
         (cfg.activation not in ACTIVATIONS_TO_HF, f"activation={cfg.activation!r}: GPT-2's FFN uses one of "
                                                  f"{', '.join(ACTIVATIONS_TO_HF)}"),
+        (bool(cfg.value_embeds), f"value_embeds={cfg.value_embeds!r}: GPT-2's values are X W_V alone"),
+        (cfg.unet_skips, "unet_skips=True: GPT-2's blocks read only the block before"),
     ]
     problems = [reason for refused, reason in refusals if refused]
     if problems:

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import layout, ops
+from jaxgpt import layout, ops, stack
 from jaxgpt.attention import FORMS, KERNELS, Where
 from jaxgpt.axes import rows_split
 from jaxgpt.model_config import ComputeConfig, GPTConfig
@@ -190,7 +190,8 @@ class CausalSelfAttention(nn.Module):
     each head's q and k are RMS-normalised over D (gains q_norm/scale, k_norm/scale of size D,
     shared by the heads) before the positions rotate them. The form
     (cfg.attention: softmax, linear, local) and the kernel that computes it (compute.kernel)
-    come from jaxgpt.attention. Params: with n_kv_head = n_head, c_attn/kernel (d, 3, H, D)
+    come from jaxgpt.attention. With value_embed (λ, VE[x]), V ← V + λ·VE[x] (jaxgpt.stack).
+    Params: with n_kv_head = n_head, c_attn/kernel (d, 3, H, D)
     (GPT-2's layout); otherwise q_proj/kernel (d, H, D) and kv_proj/kernel (d, 2, H_kv, D).
     c_proj/kernel (H, D, d) is W_O.
     """
@@ -218,10 +219,12 @@ class CausalSelfAttention(nn.Module):
                                packed=where.q_segments is not None).kernel
 
     @nn.compact
-    def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True):
+    def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True, value_embed=None):
         cfg = self.cfg
         scheme = SCHEMES[cfg.positions]
         q, k, v = self.project(x)
+        if value_embed is not None:
+            v = stack.add_value_embedding(v, *value_embed)
         if cfg.qk_norm:
             q = RMSNorm(cfg, self.compute, axis="head_dim", name="q_norm")(q)
             k = RMSNorm(cfg, self.compute, axis="head_dim", name="k_norm")(k)
@@ -267,18 +270,19 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm:  Y = X + MHA(LN₁(X)),  Z = Y + FFN(LN₂(Y))
     Post-norm: Y = LN₁(X + MHA(X)),  Z = LN₂(Y + FFN(Y))
-    Parallel:  Z = X + MHA(LN₁(X)) + FFN(LN₁(X))"""
+    Parallel:  Z = X + MHA(LN₁(X)) + FFN(LN₁(X))
+    value_embed (λ, VE[x]) joins the attention's values (jaxgpt.stack)."""
 
     cfg: GPTConfig
     compute: ComputeConfig
 
     @nn.compact
-    def __call__(self, x, where: Where, layer_cache=None, deterministic=True):
+    def __call__(self, x, where: Where, layer_cache=None, deterministic=True, value_embed=None):
         cfg, compute = self.cfg, self.compute
         ln_1 = make_norm(cfg, compute, "ln_1")
         attn, mlp = CausalSelfAttention(cfg, compute, name="attn"), MLP(cfg, compute, name="mlp")
         drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
-        mha = lambda h: attn(h, where, layer_cache, deterministic=deterministic)  # noqa: E731
+        mha = lambda h: attn(h, where, layer_cache, deterministic=deterministic, value_embed=value_embed)  # noqa: E731
         ffn = lambda h: mlp(h, deterministic)  # noqa: E731
 
         if cfg.parallel_block:
@@ -356,7 +360,7 @@ class GPT(nn.Module):
         x = rows_split(SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, position_table))
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
-        x, new_layers = self.blocks(x, where, cache, positions, deterministic)
+        x, new_layers = self.blocks(x, tokens, where, cache, positions, deterministic)
 
         x = make_norm(cfg, compute, "ln_f")(x)
         head = self.unembedding(wte)
@@ -378,28 +382,17 @@ class GPT(nn.Module):
                                       (cfg.vocab_size,), compute.params_dtype)
         return head
 
-    def blocks(self, x, where: Where, cache, positions, deterministic: bool):
-        """The n_layer blocks, each with its layer of the cache: (x, the layers' new caches)."""
+    def blocks(self, x, tokens, where: Where, cache, positions, deterministic: bool):
+        """The n_layer blocks, each with its layer of the cache, and the paths around them
+        (jaxgpt.stack: value embeddings, U-net skips): (x, the layers' new caches)."""
         cfg, compute = self.cfg, self.compute
         # With remat, a block keeps only its weight-matmul outputs for the backward pass and
         # recomputes attention and the elementwise ops from them.
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                          static_argnums=(4,)) if compute.remat else Block
         layer_caches = [None if cache is None else cache.layer(layer, positions) for layer in range(cfg.n_layer)]
-        if compute.scan_layers:  # one block's program run n_layer times, its params stacked on a leading axis
-            scanned = None if cache is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layer_caches)
-            blocks = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
-                             split_rngs={"params": True, "dropout": True},
-                             in_axes=(nn.broadcast, 0, nn.broadcast), length=cfg.n_layer,
-                             metadata_params={nn.PARTITION_NAME: layout.LAYERS})
-            x, scanned = blocks(cfg, compute, name="h")(x, where, scanned, deterministic)
-            return x, [None if cache is None else jax.tree.map(lambda a, i=i: a[i], scanned)
-                       for i in range(cfg.n_layer)]
-        new_layers = []
-        for layer in range(cfg.n_layer):
-            x, layer_cache = block(cfg, compute, name=f"h_{layer}")(x, where, layer_caches[layer], deterministic)
-            new_layers.append(layer_cache)
-        return x, new_layers
+        return stack.blocks(block, cfg, compute, x, tokens, where, layer_caches, deterministic,
+                            normal(embedding_std(cfg)))
 
 
 def unembed(cfg: GPTConfig, compute: ComputeConfig, head: dict, x):
@@ -443,11 +436,14 @@ def stack_layers(tree):
 
 
 def unstack_layers(tree):
-    """scan_layers' layout → the loop's: each stacked 'h' becomes h_0 … h_{L−1}."""
+    """scan_layers' layout → the loop's: each stacked 'h' becomes h_0 … h_{L−1}, L read from the
+    first 'h' that holds arrays (an optimizer's masked copy of the params may hold none)."""
+    n_layer = next((leaf.shape[0] for node in jax.tree.leaves(tree, is_leaf=_stacked) if _stacked(node)
+                    for leaf in jax.tree.leaves(node["h"])), 0)
+
     def unstack(node):
         if not _stacked(node):
             return node
-        n_layer = jax.tree.leaves(node["h"])[0].shape[0]
         rest = {key: value for key, value in node.items() if key != "h"}
         return {**rest, **{f"h_{i}": jax.tree.map(lambda a, i=i: a[i], node["h"]) for i in range(n_layer)}}
 
@@ -494,6 +490,6 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     sizes = [(leaf.group, leaf.names, math.prod(leaf.value.shape)) for leaf in declared]
     n = sum(size for group, _, size in sizes if group != "embed")
     if not any(group == "head" for group, _, _ in sizes):
-        n += sum(size for group, names, size in sizes if group == "embed" and "vocab" in names)
+        n += sum(size for group, names, size in sizes if group == "embed" and names == ("vocab", "embed"))
     span = seq_len if cfg.window is None else min(seq_len, cfg.window)  # the keys a query reads, at most
     return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * span

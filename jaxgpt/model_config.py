@@ -21,7 +21,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxgpt import ops
+from jaxgpt import ops, stack
 from jaxgpt.attention import FORMS, KERNELS
 from jaxgpt.attention.kernels import AUTO, DEVICES, for_platform
 from jaxgpt.errors import is_int, is_number
@@ -80,6 +80,10 @@ class GPTConfig:
     qk_norm: bool = False  # RMSNorm of each head's query and key (learned gains of size D), before the positions
     logit_softcap: float | None = None  # c: logits c·tanh(z/c), never beyond ±c; None: plain logits
     zero_init_out: bool = False  # the projections into the residual stream and the untied unembedding start at zero
+    # value embeddings (jaxgpt.stack): one entry per table VE_k (V, n_kv_head, head_dim), the layers that add it to
+    # their values, V ← V + λ·VE[x] (−1: the last layer), e.g. ((0, -3), (1, -2), (2, -1)); () none
+    value_embeds: tuple = ()
+    unet_skips: bool = False  # the input of layer L−1−i gets w_i times the output of layer i, for i < L//2
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -150,6 +154,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.logit_softcap={cap!r}: must be None (plain logits) or a positive number, "
                              f"the cap c of c·tanh(z/c) (15 or 30 are usual)")
         self._check_variants()
+        object.__setattr__(self, "value_embeds", stack.value_embed_tables(self.value_embeds))  # a saved config's lists
+        stack.check(self)
         if self.parallel_block and self.norm_position == "post":
             raise ValueError(
                 "GPTConfig.parallel_block=True with norm_position='post': the parallel block is "

@@ -23,8 +23,9 @@ LAYERS = (
     ("errors", "files", "lazy", "ops", "axes", "platforms", "gpus"),  # axes: the mesh's names; platforms: JAX's;
     # gpus: the GPUs jaxgpt.compile describes to XLA
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
-    # registries of forms, kernels, schemes; muon: NS over banks; chunked: the loss a chunk of tokens at a time
-    ("attention", "positions", "muon", "chunked"),
+    # registries of forms, kernels, schemes; muon: NS over banks; chunked: the loss a chunk of tokens at a time;
+    # stack: the blocks composed, with value embeddings and U-net skips
+    ("attention", "positions", "muon", "chunked", "stack"),
     ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
     ("data_config", "batch_schedule"),  # the data section of the schema; the rows of each step
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
