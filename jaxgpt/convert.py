@@ -201,6 +201,8 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
         (cfg.logit_softcap is not None, f"logit_softcap={cfg.logit_softcap!r}: GPT-2's logits are not capped"),
         (cfg.activation not in ACTIVATIONS_TO_HF, f"activation={cfg.activation!r}: GPT-2's FFN uses one of "
                                                  f"{', '.join(ACTIVATIONS_TO_HF)}"),
+        (cfg.smear, "smear=True: GPT-2 embeds each token alone, without the one before it"),
+        (cfg.bigram_table > 0, f"bigram_table={cfg.bigram_table}: GPT-2 has no bigram hash embedding"),
     ]
     problems = [reason for refused, reason in refusals if refused]
     if problems:

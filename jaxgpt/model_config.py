@@ -21,7 +21,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxgpt import ops
+from jaxgpt import ops, previous
 from jaxgpt.attention import FORMS, KERNELS
 from jaxgpt.attention.kernels import AUTO, DEVICES, for_platform
 from jaxgpt.errors import is_int, is_number
@@ -80,6 +80,8 @@ class GPTConfig:
     qk_norm: bool = False  # RMSNorm of each head's query and key (learned gains of size D), before the positions
     logit_softcap: float | None = None  # c: logits c·tanh(z/c), never beyond ±c; None: plain logits
     zero_init_out: bool = False  # the projections into the residual stream and the untied unembedding start at zero
+    smear: bool = False  # e_t + λ·σ(w·e_t[:12])·e_{t−1}: a gated share of the token before (jaxgpt.previous)
+    bigram_table: int = 0  # M > 0: a table of M rows indexed by a hash of (x_{t−1}, x_t), added to e_t; 0: none
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -150,6 +152,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.logit_softcap={cap!r}: must be None (plain logits) or a positive number, "
                              f"the cap c of c·tanh(z/c) (15 or 30 are usual)")
         self._check_variants()
+        previous.check(self)
         if self.parallel_block and self.norm_position == "post":
             raise ValueError(
                 "GPTConfig.parallel_block=True with norm_position='post': the parallel block is "

@@ -23,7 +23,8 @@ LAYERS = (
     ("errors", "files", "lazy", "ops", "axes", "platforms", "gpus"),  # axes: the mesh's names; platforms: JAX's;
     # gpus: the GPUs jaxgpt.compile describes to XLA
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
-    ("attention", "positions", "muon"),  # registries of forms, kernels, schemes; muon: NS over banks
+    ("attention", "positions", "muon", "previous"),  # registries of forms, kernels, schemes; muon: NS over banks;
+    # previous: what a token takes from the token before it (smear, bigram hash)
     ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
     ("data_config",),  # the data section of the schema
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
