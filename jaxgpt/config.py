@@ -103,6 +103,12 @@ class TrainConfig:
     # the most memory the parameters, gradients and AdamW state may take; None: the devices'
     # memory (on a CPU, 90% of the machine's RAM)
     memory_limit_gib: float | None = None
+    # multi-token prediction (jaxgpt.multi_token): each position's logits also predict the tokens 2…K ahead,
+    # K = mtp_tokens (1: the next token only), token k weighted mtp_weight^(k−1), fading linearly to 0 by
+    # mtp_fraction of train.steps
+    mtp_tokens: int = 1
+    mtp_weight: float = 0.5
+    mtp_fraction: float = 0.5
 
     def __post_init__(self):
         positive = ("steps", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
@@ -128,6 +134,11 @@ class TrainConfig:
         for key in ("peak_flops", "memory_limit_gib"):
             value = getattr(self, key)
             _check_train(self, value is None or (is_number(value) and value > 0), key, "None or a positive number")
+        _check_train(self, is_int(self.mtp_tokens) and self.mtp_tokens > 0, "mtp_tokens",
+                     "a positive integer, the tokens each position predicts (1: the next one only)")
+        _check_train(self, is_number(self.mtp_weight) and self.mtp_weight >= 0, "mtp_weight", "a number ≥ 0")
+        _check_train(self, is_number(self.mtp_fraction) and 0 < self.mtp_fraction <= 1, "mtp_fraction",
+                     "a number in (0, 1]: the share of train.steps over which the extra targets fade out")
         self._check_batch()
         self._check_optimizer()
         self._check_schedule()

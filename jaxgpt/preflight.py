@@ -39,6 +39,10 @@ def check_sections(config, train_cfg: TrainConfig) -> Mesh:
     DataConfig.from_mapping(config.data)
     mesh = sharding.make_mesh(config.mesh)
     check_batch_sizes(train_cfg, mesh)
+    block = config.model.block_size
+    if train_cfg.mtp_tokens > block:
+        raise ConfigError(f"train.mtp_tokens={train_cfg.mtp_tokens} predicts past the block of model.block_size="
+                          f"{block} tokens: choose at most {block}")
     for note in unused_settings(config, train_cfg):
         print(f"jaxgpt: {note}", file=sys.stderr)
     return mesh

@@ -20,8 +20,8 @@ PACKAGE = ROOT / "jaxgpt"
 # Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
 # know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
 LAYERS = (
-    ("errors", "files", "lazy", "ops", "axes", "platforms", "gpus"),  # axes: the mesh's names; platforms: JAX's;
-    # gpus: the GPUs jaxgpt.compile describes to XLA
+    ("errors", "files", "lazy", "ops", "multi_token", "axes", "platforms", "gpus"),  # axes: the mesh's names;
+    # platforms: JAX's; gpus: the GPUs jaxgpt.compile describes to XLA; multi_token: the targets k ahead
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
     ("attention", "positions", "muon", "previous"),  # registries of forms, kernels, schemes; muon: NS over banks;
     # previous: what a token takes from the token before it (smear, bigram hash)

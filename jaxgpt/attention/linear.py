@@ -79,7 +79,8 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=None) 
               for _ in range(cfg.n_layer))
     z = tuple(jnp.zeros((batch_size, cfg.n_kv_head, cfg.head_dim), jnp.float32) for _ in range(cfg.n_layer))
     return LinearCache(S=S, z=z, index=jnp.zeros((batch_size,), jnp.int32),
-                       limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32), last_token=jnp.zeros((batch_size,), jnp.int32),
+                       limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32),
+                       last_token=jnp.zeros((batch_size,), jnp.int32),
                        last_position=jnp.full((batch_size,), EMPTY, jnp.int32))
 
 
