@@ -105,7 +105,7 @@ class TrainConfig:
     memory_limit_gib: float | None = None
     # multi-token prediction (jaxgpt.multi_token): each position's logits also predict the tokens 2…K ahead,
     # K = mtp_tokens (1: the next token only), token k weighted mtp_weight^(k−1), fading linearly to 0 by
-    # mtp_fraction of train.steps
+    # mtp_fraction of the schedule's steps (train.decay_steps, else train.steps)
     mtp_tokens: int = 1
     mtp_weight: float = 0.5
     mtp_fraction: float = 0.5
@@ -138,7 +138,7 @@ class TrainConfig:
                      "a positive integer, the tokens each position predicts (1: the next one only)")
         _check_train(self, is_number(self.mtp_weight) and self.mtp_weight >= 0, "mtp_weight", "a number ≥ 0")
         _check_train(self, is_number(self.mtp_fraction) and 0 < self.mtp_fraction <= 1, "mtp_fraction",
-                     "a number in (0, 1]: the share of train.steps over which the extra targets fade out")
+                     "a number in (0, 1]: the share of the schedule's steps over which the extra targets fade out")
         self._check_batch()
         self._check_optimizer()
         self._check_schedule()

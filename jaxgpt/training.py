@@ -120,10 +120,10 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
 
 def ahead_weights(train: TrainConfig) -> Callable | None:
     """step → (w_1 … w_K) of multi-token prediction (multi_token.weights_at, fading out by
-    train.mtp_fraction of train.steps), or None when train.mtp_tokens = 1."""
+    train.mtp_fraction of the schedule's steps, as the learning rate's), or None when train.mtp_tokens = 1."""
     if train.mtp_tokens == 1:
         return None
-    until = train.mtp_fraction * train.steps
+    until = train.mtp_fraction * train.schedule_steps
     return lambda step: multi_token.weights_at(step, train.mtp_tokens, train.mtp_weight, until)
 
 
