@@ -102,6 +102,16 @@ def test_predicting_past_the_block_is_refused_before_anything_compiles():
     assert "\n" not in str(error.value)
 
 
+def test_weights_without_targets_ahead_are_said_to_be_unused():
+    from jaxgpt.preflight import unused_settings
+
+    config = default_config()
+    notes = unused_settings(config, TrainConfig(mtp_weight=0.3))
+    assert notes == ["train.mtp_weight=0.3 is unused: train.mtp_tokens=1 predicts the next token only; set "
+                     "train.mtp_tokens > 1 for the targets ahead"]
+    assert unused_settings(config, TrainConfig(mtp_tokens=2, mtp_weight=0.3)) == []
+
+
 def test_a_run_with_every_switch_resumes_as_it_would_have_gone_on(tmp_path):
     """smear, the bigram table, multi-token prediction, scan_layers, the chunked loss and two
     micro-batches: 3 steps then 3 more from the checkpoint equal 6 straight."""
