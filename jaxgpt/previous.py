@@ -55,15 +55,15 @@ def bigram_hash(before, tokens, has, table_size: int):
 class PreviousToken(nn.Module):
     """e_t = E[x_t], then with cfg.smear the smear (params smear_gate (g,), smear_lambda (): zero at
     first, so the model starts without it), then with cfg.bigram_table = M the row B[h_t] of the
-    bigram table (M, d) (zero at first) added. `wte` is the token table (a callable of token ids)."""
+    bigram table (M, d) (zero at first) added. `token_table` gives E[x] of token ids."""
 
     cfg: object
     compute: object
 
     @nn.compact
-    def __call__(self, wte, tokens, positions, segments=None, cache=None):
+    def __call__(self, token_table, tokens, positions, segments=None, cache=None):
         cfg, dtype = self.cfg, self.compute.params_dtype
-        e = wte(tokens)
+        e = token_table(tokens)
         if not (cfg.smear or cfg.bigram_table):
             return e
         before = None if cache is None else cache.token_before(positions, segments)
@@ -72,7 +72,7 @@ class PreviousToken(nn.Module):
             g = min(SMEAR_INPUTS, cfg.d_model)
             w = self.param("smear_gate", layout.declare(nn.initializers.zeros, ("gate",)), (g,), dtype)
             lam = self.param("smear_lambda", layout.declare(nn.initializers.zeros, ()), (), dtype)
-            e = smear(e, wte(previous), has, w.astype(e.dtype), lam.astype(e.dtype))
+            e = smear(e, token_table(previous), has, w.astype(e.dtype), lam.astype(e.dtype))
         if cfg.bigram_table:
             table = self.param("bigram", layout.declare(nn.initializers.zeros, ("bigrams", "embed"), group="embed"),
                                (cfg.bigram_table, cfg.d_model), dtype)
