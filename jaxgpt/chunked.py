@@ -46,47 +46,48 @@ def chunked_target_scores(logits_fn, weights, hidden, targets, *, chunk: int):
 
 def chunked_cross_entropy(logits_fn, weights, hidden, targets, mask=None, count=None, *, chunk: int):
     """cross_entropy(logits_fn(weights, hidden), targets, mask, count), the logits computed
-    `chunk` tokens at a time (the tokens padded, unmasked, to a multiple of chunk):
+    `chunk` tokens at a time (the tokens padded, unmasked, to a multiple of chunk), for K targets y_ik per token:
 
-        L = (1/N) Σ_i m_i (log Σ_v exp z_i[v] − z_i[y_i]),   z_i = logits_fn(weights, h_i)
+        L = (1/N) Σ_i Σ_k m_ik (log Σ_v exp z_i[v] − z_i[y_ik]),   z_i = logits_fn(weights, h_i)
 
-    with the gradient ∂L/∂z_i = (m_i/N)(softmax(z_i) − e_{y_i}) taken back to h_i and to the
+    with the gradient ∂L/∂z_i = Σ_k (m_ik/N)(softmax(z_i) − e_{y_ik}) taken back to h_i and to the
     weights through logits_fn's own derivative, chunk by chunk (the weights' terms summed in
     float32). Under differentiation the gradient is computed in the forward pass, while each
     chunk's logits exist: the same matmuls as the whole logits' (no chunk's logits computed
     twice), and the backward pass only scales it by L's cotangent. hidden (..., d), targets and
-    mask (...)."""
-    n = targets.size
+    mask (...), or (..., K) with K targets per token (multi-token prediction; K = 1 without the axis)."""
+    n = hidden.size // hidden.shape[-1]
     mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
     count = mask.sum() if count is None else count
-    return _chunked_loss(logits_fn, chunk, weights, hidden.reshape(n, -1), targets.reshape(n), mask.reshape(n),
-                         jnp.maximum(count, 1.0).astype(jnp.float32))
+    return _chunked_loss(logits_fn, chunk, weights, hidden.reshape(n, -1), targets.reshape(n, -1),
+                         mask.reshape(n, -1), jnp.maximum(count, 1.0).astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _chunked_loss(logits_fn, chunk, weights, hidden, targets, mask, count):
-    """L of hidden (N, d), targets and mask (N,) (chunked_cross_entropy), forward only."""
+    """L of hidden (N, d), targets and mask (N, K) (chunked_cross_entropy), forward only."""
     def step(total, c):
         h, y, m = c
         z = logits_fn(weights, h)
-        return total + (m * (jax.nn.logsumexp(z, axis=-1) - target_logit(z, y))).sum(), None
+        return total + (m * (jax.nn.logsumexp(z, axis=-1)[:, None] - target_logit(z[:, None], y))).sum(), None
 
     chunks = tuple(as_chunks(x, chunk) for x in (hidden, targets, mask))
     return jax.lax.scan(step, jnp.zeros((), jnp.float32), chunks)[0] / count
 
 
 def _chunked_loss_forward(logits_fn, chunk, weights, hidden, targets, mask, count):
-    """(L, (∂L/∂weights, ∂L/∂hidden)): each chunk's logits z, their gradient (m_i/N)(softmax(z_i) − e_{y_i})
+    """(L, (∂L/∂weights, ∂L/∂hidden)): each chunk's logits z, their gradient Σ_k (m_ik/N)(softmax(z_i) − e_{y_ik})
     and its pullback through logits_fn, in one pass."""
     def step(carry, c):
         total, grad_w = carry
         h, y, m = c
         z, pullback = jax.vjp(logits_fn, weights, h)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        dz = (jnp.exp(z - lse[:, None]) - jax.nn.one_hot(y, z.shape[-1], dtype=z.dtype)) * m[:, None]
+        lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+        hits = sum(jax.nn.one_hot(y[:, k], z.shape[-1], dtype=z.dtype) * m[:, k, None] for k in range(y.shape[1]))
+        dz = jnp.exp(z - lse) * m.sum(axis=1, keepdims=True) - hits  # Σ_k m_ik (softmax(z_i) − e_{y_ik})
         dw, dh = pullback(dz)
         grad_w = jax.tree.map(lambda sum_w, part: sum_w + part.astype(jnp.float32), grad_w, dw)
-        return (total + (m * (lse - target_logit(z, y))).sum(), grad_w), dh
+        return (total + (m * (lse - target_logit(z[:, None], y))).sum(), grad_w), dh
 
     chunks = tuple(as_chunks(x, chunk) for x in (hidden, targets, mask / count))
     zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights)

@@ -203,6 +203,7 @@ def compile_programs(config, devices=None, generate: bool = True) -> tuple[Any, 
     config = micro_batch.resolved(config, mesh, cfg, compute, chip.hbm if chip else None)
     train_cfg = TrainConfig.from_mapping(config.train)
     preflight.check_batch_sizes(train_cfg, mesh)
+    preflight.check_targets_ahead(train_cfg, cfg.block_size)
     gpt, packed = GPT(cfg, compute), config.data.format == "records"
     optimizer = make_optimizer(train_cfg, param_layout(gpt))
     abstract = abstract_state(gpt, optimizer, mesh)

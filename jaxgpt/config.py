@@ -115,6 +115,12 @@ class TrainConfig:
     # ((until_step, rows), …): the rows of the steps before each until_step; after the last, the run's rows
     # (train.rows_per_step, or batch_size × grad_accum). Each a multiple of train.batch_size (jaxgpt.batch_schedule)
     batch_schedule: tuple = ()
+    # multi-token prediction (jaxgpt.multi_token): each position's logits also predict the tokens 2…K ahead,
+    # K = mtp_tokens (1: the next token only), token k weighted mtp_weight^(k−1), fading linearly to 0 by
+    # mtp_fraction of the schedule's steps (train.decay_steps, else train.steps)
+    mtp_tokens: int = 1
+    mtp_weight: float = 0.5
+    mtp_fraction: float = 0.5
 
     def __post_init__(self):
         positive = ("steps", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
@@ -140,6 +146,11 @@ class TrainConfig:
         for key in ("peak_flops", "memory_limit_gib"):
             value = getattr(self, key)
             _check_train(self, value is None or (is_number(value) and value > 0), key, "None or a positive number")
+        _check_train(self, is_int(self.mtp_tokens) and self.mtp_tokens > 0, "mtp_tokens",
+                     "a positive integer, the tokens each position predicts (1: the next one only)")
+        _check_train(self, is_number(self.mtp_weight) and self.mtp_weight >= 0, "mtp_weight", "a number ≥ 0")
+        _check_train(self, is_number(self.mtp_fraction) and 0 < self.mtp_fraction <= 1, "mtp_fraction",
+                     "a number in (0, 1]: the share of the schedule's steps over which the extra targets fade out")
         self._check_batch()
         self._check_optimizer()
         self._check_muon()

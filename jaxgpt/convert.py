@@ -203,6 +203,8 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
                                                  f"{', '.join(ACTIVATIONS_TO_HF)}"),
         (bool(cfg.value_embeds), f"value_embeds={cfg.value_embeds!r}: GPT-2's values are X W_V alone"),
         (cfg.unet_skips, "unet_skips=True: GPT-2's blocks read only the block before"),
+        (cfg.smear, "smear=True: GPT-2 embeds each token alone, without the one before it"),
+        (cfg.bigram_table > 0, f"bigram_table={cfg.bigram_table}: GPT-2 has no bigram hash embedding"),
     ]
     problems = [reason for refused, reason in refusals if refused]
     if problems:

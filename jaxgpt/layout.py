@@ -44,12 +44,15 @@ LOGICAL_AXES = {
     "mlp": "the FFN's hidden width, where a matrix writes it (and W_out reads it)",
     "mlp_in": "the FFN's hidden width read by its second and later layers (ffn_layers > 1)",
     "layers": "the blocks stacked on one axis (compute.scan_layers)",
+    "bigrams": "the rows of the bigram hash table (model.bigram_table)",
+    "gate": "the few channels of d_model a gate reads (the smear's)",
 }
 # Logical axis → the mesh axis it is split over (None: whole). One table for every parameter.
 RULES = (
     ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
     ("mlp_in", "fsdp"), ("positions", None), ("norm", None), ("head_dim", None), ("qkv", None), ("kv", None),
     ("layers", None),
+    ("bigrams", "tensor"), ("gate", None),
 )
 # Axes that must divide their mesh axis evenly (no silent replication): each device's query
 # heads read their own key/value heads. (One head, multi-query attention, is on every device.)

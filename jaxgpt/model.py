@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import layout, ops, stack
+from jaxgpt import layout, ops, previous, stack
 from jaxgpt.attention import FORMS, KERNELS, Where
 from jaxgpt.axes import rows_split
 from jaxgpt.model_config import ComputeConfig, GPTConfig
@@ -344,7 +344,7 @@ class GPT(nn.Module):
                  hidden: bool = False):
         cfg, compute = self.cfg, self.compute
         deterministic = deterministic or not self.has_rng("dropout")
-        positions, where, cache = locate(tokens, cache, positions, segments)
+        before, (positions, where, cache) = cache, locate(tokens, cache, positions, segments)
         init, dtypes = normal(embedding_std(cfg)), (compute.compute_dtype, compute.params_dtype)
         if compute.weights == "int8":
             wte = Int8Embed(cfg.vocab_size, cfg.d_model, dtypes[0], name="wte")
@@ -357,7 +357,8 @@ class GPT(nn.Module):
             table = layout.declare(init, ("positions", "embed"), group="embed")
             return nn.Embed(rows, cfg.d_model, embedding_init=table, dtype=dtypes[0], param_dtype=dtypes[1], name="wpe")
 
-        x = rows_split(SCHEMES[cfg.positions].embed(cfg, wte(tokens), positions, position_table))
+        e = previous.PreviousToken(cfg, compute, name="previous")(wte, tokens, positions, where.q_segments, before)
+        x = rows_split(SCHEMES[cfg.positions].embed(cfg, e, positions, position_table))
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
         x, new_layers = self.blocks(x, tokens, where, cache, positions, deterministic)

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxgpt import ops, stack
+from jaxgpt import ops, previous, stack
 from jaxgpt.attention import FORMS, KERNELS
 from jaxgpt.attention.kernels import AUTO, DEVICES, for_platform
 from jaxgpt.errors import is_int, is_number
@@ -84,6 +84,8 @@ class GPTConfig:
     # their values, V ← V + λ·VE[x] (−1: the last layer), e.g. ((0, -3), (1, -2), (2, -1)); () none
     value_embeds: tuple = ()
     unet_skips: bool = False  # the input of layer L−1−i gets w_i times the output of layer i, for i < L//2
+    smear: bool = False  # e_t + λ·σ(w·e_t[:12])·e_{t−1}: a gated share of the token before (jaxgpt.previous)
+    bigram_table: int = 0  # M > 0: a table of M rows indexed by a hash of (x_{t−1}, x_t), added to e_t; 0: none
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -156,6 +158,7 @@ class GPTConfig:
         self._check_variants()
         object.__setattr__(self, "value_embeds", stack.value_embed_tables(self.value_embeds))  # a saved config's lists
         stack.check(self)
+        previous.check(self)
         if self.parallel_block and self.norm_position == "post":
             raise ValueError(
                 "GPTConfig.parallel_block=True with norm_position='post': the parallel block is "

@@ -39,9 +39,17 @@ def check_sections(config, train_cfg: TrainConfig) -> Mesh:
     DataConfig.from_mapping(config.data)
     mesh = sharding.make_mesh(config.mesh)
     check_batch_sizes(train_cfg, mesh)
+    check_targets_ahead(train_cfg, config.model.block_size)
     for note in unused_settings(config, train_cfg):
         print(f"jaxgpt: {note}", file=sys.stderr)
     return mesh
+
+
+def check_targets_ahead(train_cfg: TrainConfig, block_size: int) -> None:
+    """Multi-token prediction scores targets up to mtp_tokens − 1 past the next one: never past the block."""
+    if train_cfg.mtp_tokens > block_size:
+        raise ConfigError(f"train.mtp_tokens={train_cfg.mtp_tokens} predicts past the block of model.block_size="
+                          f"{block_size} tokens: choose at most {block_size}")
 
 
 def unused_settings(config, train_cfg: TrainConfig) -> list[str]:
@@ -51,6 +59,11 @@ def unused_settings(config, train_cfg: TrainConfig) -> list[str]:
         notes.append(f"train.head_lr={train_cfg.head_lr!r} is unused: the embeddings are tied "
                      "(model.tie_embeddings=True), so the unembedding is the token embedding and trains at "
                      "train.embed_lr; untie them (--config.model.tie_embeddings=False) for a head of its own")
+    defaults = TrainConfig()
+    for key in ("mtp_weight", "mtp_fraction"):
+        if train_cfg.mtp_tokens == 1 and getattr(train_cfg, key) != getattr(defaults, key):
+            notes.append(f"train.{key}={getattr(train_cfg, key)!r} is unused: train.mtp_tokens=1 predicts the next "
+                         "token only; set train.mtp_tokens > 1 for the targets ahead")
     return notes
 
 

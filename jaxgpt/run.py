@@ -40,7 +40,7 @@ from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
 from jaxgpt.sampling import SamplingOptions, generate
 from jaxgpt.text import encode_prompt
-from jaxgpt.training import TrainState, abstract_state, batch_fields, make_train_step, seeded
+from jaxgpt.training import TrainState, abstract_state, ahead_weights, batch_fields, make_train_step, seeded
 
 # open_run, init_or_restore, Run, compute_config and model_config are jaxgpt.opening's, named here too
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "Run", "TrainingError", "compute_config", "init_or_restore", "load_run",
@@ -63,7 +63,8 @@ def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, ab
     fields = batch_fields(accum * train_cfg.batch_size, gpt.cfg.block_size, packed)
     batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=batches) for shape, dtype in fields)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), accum, shardings.params)
+    step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), accum, shardings.params,
+                           ahead_weights(train_cfg))
     jitted = jax.jit(seeded(step), in_shardings=(shardings, (batches,) * len(batch), None),
                      out_shardings=(shardings, None), donate_argnums=0,
                      compiler_options=sharding.compiler_options(mesh))

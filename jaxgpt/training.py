@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgpt import chunked, layout, ops
-from jaxgpt.config import GPTConfig
+from jaxgpt import chunked, layout, multi_token, ops
+from jaxgpt.config import GPTConfig, TrainConfig
 from jaxgpt.loss import chunk_tokens, logits_fn, score_targets
 from jaxgpt.model import GPT, param_layout
 
@@ -50,14 +50,20 @@ def as_model(model: GPT | GPTConfig) -> GPT:
 
 
 def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *, positions=None, segments=None,
-            count=None):
+            count=None, ahead=None):
     """Cross-entropy of the model's next-token predictions: the mean over the targets where
     `mask` is True, or their sum over `count` (see ops.cross_entropy); with compute.loss_chunk,
-    the logits made and their gradient taken a chunk of tokens at a time (chunked.chunked_cross_entropy)."""
+    the logits made and their gradient taken a chunk of tokens at a time (chunked.chunked_cross_entropy).
+    ahead (K,): multi-token prediction's weights w_k, each position's logits also scored on the
+    targets k − 1 further on (jaxgpt.multi_token), still over the count of next-token targets."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     chunk = model.compute.loss_chunk
     out = model.apply({"params": params}, inputs, positions=positions, segments=segments,
                       deterministic=dropout_key is None, rngs=rngs, hidden=bool(chunk))
+    if ahead is not None:  # K targets a position: logits (B, T, 1, V) against targets (B, T, K)
+        count = (targets.size if mask is None else mask.sum(dtype=jnp.float32)) if count is None else count
+        targets, mask = multi_token.targets_ahead(targets, mask, segments, ahead)
+        out = out if chunk else out[..., None, :]
     if not chunk:
         return ops.cross_entropy(out, targets, mask, count)
     hidden, head = out
@@ -66,7 +72,7 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *,
 
 
 def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
-                    grad_accum: int = 1, grad_shardings=None):
+                    grad_accum: int = 1, grad_shardings=None, ahead: Callable | None = None):
     """train_step(state, batch, key) for a batch of k·B rows (k = grad_accum): batch is
     (inputs, targets) of a text stream, or (inputs, targets, mask, positions, segments) of
     packed examples (the loss only on the targets where mask is True; see GPT).
@@ -79,7 +85,10 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
 
     grad_shardings (the params' NamedShardings): each micro-batch's gradient is laid out as
     its parameter is, so under fsdp it is reduce-scattered into the sum's shards (not
-    all-reduced whole, as a sum of unknown layout would be)."""
+    all-reduced whole, as a sum of unknown layout would be).
+
+    ahead: step → (K,) the weights of multi-token prediction at that step (ahead_weights), or None:
+    the next token only. The loss it reports is then the objective, auxiliary targets included."""
     model = as_model(model)
     use_dropout = model.cfg.dropout > 0
     k = grad_accum
@@ -93,7 +102,8 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
             mask, positions, segments = packed or (None, None, None)
             dropout_key = jax.random.fold_in(key, i) if use_dropout else None
             loss, grads = jax.value_and_grad(loss_fn, argnums=1)(
-                model, state.params, x, y, mask, dropout_key, positions=positions, segments=segments, count=count)
+                model, state.params, x, y, mask, dropout_key, positions=positions, segments=segments, count=count,
+                ahead=None if ahead is None else ahead(state.step))
             return laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads))), loss
 
         laid_out = (lambda tree: tree) if grad_shardings is None else (  # noqa: E731
@@ -106,6 +116,15 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def ahead_weights(train: TrainConfig) -> Callable | None:
+    """step → (w_1 … w_K) of multi-token prediction (multi_token.weights_at, fading out by
+    train.mtp_fraction of the schedule's steps, as the learning rate's), or None when train.mtp_tokens = 1."""
+    if train.mtp_tokens == 1:
+        return None
+    until = train.mtp_fraction * train.schedule_steps
+    return lambda step: multi_token.weights_at(step, train.mtp_tokens, train.mtp_weight, until)
 
 
 def batch_fields(rows: int, block_size: int, packed: bool = False) -> tuple[tuple[tuple[int, int], Any], ...]:

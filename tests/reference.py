@@ -173,7 +173,7 @@ def gpt_forward(cfg, params, tokens):
         return dense(h, q["c_proj"])
 
     E = p["wte"]["embedding"]
-    x = E[tokens]
+    x = previous_token_embedding(cfg, p, tokens)
     if cfg.positions == "learned":
         x = x + p["wpe"]["embedding"][:T]
     elif cfg.positions == "sinusoidal":
@@ -196,6 +196,49 @@ def gpt_forward(cfg, params, tokens):
         c = cfg.logit_softcap
         logits = c * np.tanh(logits / c)
     return logits
+
+
+def bigram_hash(before, token, table_size):
+    """((36313·x_t) xor (27191·x_{t−1}) mod 2³²) mod (M − 1), in Python's integers."""
+    return (((36313 * token) % 2**32) ^ ((27191 * before) % 2**32)) % (table_size - 1)
+
+
+def previous_token_embedding(cfg, p, tokens, positions=None, segments=None):
+    """E[x_t], plus the smear λ·σ(w·E[x_t][:g])·E[x_{t−1}] and the bigram row B[h(x_{t−1}, x_t)] (row M − 1
+    without a token before), token by token; x_{t−1} is the token before iff it is at position p_t − 1 of
+    the same segment."""
+    E = p["wte"]["embedding"]
+    B, T = tokens.shape
+    positions = np.tile(np.arange(T), (B, 1)) if positions is None else positions
+    segments = np.zeros((B, T), int) if segments is None else segments
+    x = E[tokens].copy()
+    for b in range(B):
+        for t in range(T):
+            has = t > 0 and positions[b, t - 1] == positions[b, t] - 1 and segments[b, t - 1] == segments[b, t]
+            token, before = int(tokens[b, t]), int(tokens[b, t - 1]) if has else None
+            if cfg.smear and has:
+                w, lam = p["previous"]["smear_gate"], p["previous"]["smear_lambda"]
+                gate = 1 / (1 + math.exp(-float(E[token][:len(w)] @ w)))
+                x[b, t] += lam * gate * E[before]
+            if cfg.bigram_table:
+                row = bigram_hash(before, token, cfg.bigram_table) if has else cfg.bigram_table - 1
+                x[b, t] += p["previous"]["bigram"][row]
+    return x
+
+
+def multi_token_loss(logits, targets, mask, segments, weights, count):
+    """(1/count) Σ_i Σ_k w_k m_{i+k−1} [i+k−1 < T, same segment] (−log softmax(z_i)[y_{i+k−1}]), loop by loop."""
+    B, T, _ = logits.shape
+    total = 0.0
+    for b in range(B):
+        for i in range(T):
+            log_p = logits[b, i] - logits[b, i].max()
+            log_p = log_p - math.log(np.exp(log_p).sum())
+            for k, w in enumerate(weights):
+                j = i + k
+                if j < T and mask[b, j] and segments[b, j] == segments[b, i]:
+                    total -= w * log_p[targets[b, j]]
+    return total / count
 
 
 def _to_float64(tree):

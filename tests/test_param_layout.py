@@ -71,6 +71,7 @@ EXPECTED = {
     "mlp/c_proj/kernel": ("tensor", "fsdp"), "mlp/c_proj/bias": (None,),
     "lm_head/kernel": ("fsdp", "tensor"), "logits_bias": ("tensor",),
     "scale": (None,), "bias": (None,),  # norms' gains and biases (and q_norm/k_norm's)
+    "previous/bigram": ("tensor", "fsdp"), "previous/smear_gate": (None,), "previous/smear_lambda": (),
 }
 MULTI_QUERY = {"attn/kv_proj/kernel": ("fsdp", None, None, None), "attn/kv_proj/bias": (None, None, None)}
 
@@ -116,6 +117,7 @@ VARIANTS = {
     "none": (dict(BASE, positions="none"), True, "adamw"),
     "linear": (dict(BASE, attention="linear"), False, "adamw"),
     "local": (dict(BASE, attention="local", window=4), False, "adamw"),
+    "smear, bigram_table, scan_layers, muon": (dict(BASE, smear=True, bigram_table=50), True, "muon"),
 }
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxgpt import ops
 
@@ -45,6 +46,26 @@ class Where(NamedTuple):
                              q_segments=segments[0], k_segments=segments[1])
 
 
+EMPTY = jnp.iinfo(jnp.int32).min // 2  # the position of a slot, or a last token, never written
+
+
+def last_kept(tokens, positions, limit, last: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(token, position) (B,) of each row's last new token kept (its position < limit (B,): a
+    prefix of tokens (B, T)), or `last`, the pair held so far, where none is kept: what a cache
+    that keeps no token per slot (linear, local) gives as the token before (jaxgpt.previous)."""
+    positions = jnp.broadcast_to(positions, tokens.shape)
+    kept = (positions < limit[:, None]).sum(axis=1)
+    at = jnp.maximum(kept - 1, 0)[:, None]
+    newest = [jnp.take_along_axis(rows, at, axis=1)[:, 0] for rows in (tokens, positions)]
+    return tuple(jnp.where(kept > 0, new.astype(old.dtype), old) for new, old in zip(newest, last, strict=True))
+
+
+def token_before(last: tuple[jax.Array, jax.Array], positions) -> tuple[jax.Array, jax.Array]:
+    """(the last token kept (B,), whether it is at the position before each row's first new one)."""
+    token, position = last
+    return token, position == positions[:, 0] - 1
+
+
 class Form(NamedTuple):
     """An attention form (the model's identity: config.model.attention), one file each.
 
@@ -53,8 +74,8 @@ class Form(NamedTuple):
       tokens; kernel one of kernels.KERNELS (a form that forms no softmax ignores it);
       layer_cache what the form's cache gives for the layer (None without a cache).
     init_cache(cfg, batch_size, max_length, dtype) → an empty cache for decoding. A cache is a
-      pytree with `index` (B,) and the methods locate, layer, with_layers, resume_at and with_limit
-      (softmax.KVCache says what each does).
+      pytree with `index` (B,) and the methods locate, layer, with_layers, resume_at, with_limit
+      and token_before (softmax.KVCache says what each does).
     grows_past_context: the cache carries the whole sequence, so decoding never crops it and
       a new token costs one position at any length.
     check(cfg): a one-line ValueError for a GPTConfig this form cannot compute (called by

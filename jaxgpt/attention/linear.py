@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import ops
-from jaxgpt.attention.base import Form, Where
+from jaxgpt.attention.base import EMPTY, Form, Where, last_kept, token_before
 
 NO_LIMIT = jnp.iinfo(jnp.int32).max
 
@@ -19,12 +19,15 @@ class LinearCache:
     (B, H_kv, D) = Σ_s φ(k_s) over the tokens absorbed so far, in float32. index (B,): the
     position of the next token. limit (B,): tokens at positions ≥ limit are read but not
     absorbed, which is what a padded prefill needs (decoding sets it to each prompt's
-    length − 1, then lifts it)."""
+    length − 1, then lifts it). last_token, last_position (B,): the last token absorbed and its
+    position (EMPTY before any), what jaxgpt.previous reads as the token before the next one."""
 
     S: tuple
     z: tuple
     index: jax.Array
     limit: jax.Array
+    last_token: jax.Array
+    last_position: jax.Array
 
     def locate(self, tokens, positions=None, segments=None) -> tuple[jax.Array, Where, LinearCache]:
         """The new tokens see each other causally, and the state."""
@@ -32,7 +35,12 @@ class LinearCache:
             raise ValueError("attention='linear' decodes one sequence per row: segments cannot be given with its cache")
         if positions is None:
             positions = self.index[:, None] + jnp.arange(tokens.shape[-1])[None, :]
-        return positions, Where(positions, positions), self
+        last_token, last_position = last_kept(tokens, positions, self.limit, (self.last_token, self.last_position))
+        return positions, Where(positions, positions), self.replace(last_token=last_token, last_position=last_position)
+
+    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
+        """The last token kept, held iff it is at the position before the first new one."""
+        return token_before((self.last_token, self.last_position), positions)
 
     def layer(self, layer: int, positions):
         """What layer `layer`'s attention reads and extends: (S, z, which new tokens to absorb)."""
@@ -71,7 +79,9 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=None) 
               for _ in range(cfg.n_layer))
     z = tuple(jnp.zeros((batch_size, cfg.n_kv_head, cfg.head_dim), jnp.float32) for _ in range(cfg.n_layer))
     return LinearCache(S=S, z=z, index=jnp.zeros((batch_size,), jnp.int32),
-                       limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32))
+                       limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32),
+                       last_token=jnp.zeros((batch_size,), jnp.int32),
+                       last_position=jnp.full((batch_size,), EMPTY, jnp.int32))
 
 
 FORM = Form(attend=attend, init_cache=init_cache, grows_past_context=True, keys=("linear_feature",), has_weights=False)

@@ -8,9 +8,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.attention.base import Form, Where
+from jaxgpt.attention.base import EMPTY, Form, Where, last_kept, token_before
 
-EMPTY = jnp.iinfo(jnp.int32).min // 2  # the position of a slot never written: outside every window
 NO_LIMIT = jnp.iinfo(jnp.int32).max
 
 
@@ -19,20 +18,29 @@ class RingCache:
     """keys[l], values[l]: (B, W, H_kv, D) with W = min(window, the longest sequence); the
     token number n of a row lives in slot n mod W. positions[l] (B, W): the position of each
     slot's token (EMPTY before it is written). index (B,): tokens seen so far in each row.
-    limit (B,): tokens at positions ≥ limit are read but not kept (a padded prefill's padding)."""
+    limit (B,): tokens at positions ≥ limit are read but not kept (a padded prefill's padding).
+    last_token, last_position (B,): the last token kept and its position (EMPTY before any), what
+    jaxgpt.previous reads as the token before the next one."""
 
     keys: tuple
     values: tuple
     positions: tuple
     index: jax.Array
     limit: jax.Array
+    last_token: jax.Array
+    last_position: jax.Array
 
     def locate(self, tokens, positions=None, segments=None) -> tuple[jax.Array, Where, RingCache]:
         if segments is not None:
             raise ValueError("attention='local' decodes one sequence per row: segments cannot be given with its cache")
         if positions is None:
             positions = self.index[:, None] + jnp.arange(tokens.shape[-1])[None, :]
-        return positions, Where(positions, positions), self
+        last_token, last_position = last_kept(tokens, positions, self.limit, (self.last_token, self.last_position))
+        return positions, Where(positions, positions), self.replace(last_token=last_token, last_position=last_position)
+
+    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
+        """The last token kept, held iff it is at the position before the first new one."""
+        return token_before((self.last_token, self.last_position), positions)
 
     def layer(self, layer: int, positions):
         """What layer `layer` reads and extends: (keys, values, their positions, index)."""
@@ -94,7 +102,8 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.fl
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
     empty = tuple(jnp.full((batch_size, slots), EMPTY, jnp.int32) for _ in range(cfg.n_layer))
     return RingCache(keys=zeros, values=zeros, positions=empty, index=jnp.zeros((batch_size,), jnp.int32),
-                     limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32))
+                     limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32), last_token=jnp.zeros((batch_size,), jnp.int32),
+                       last_position=jnp.full((batch_size,), EMPTY, jnp.int32))
 
 
 def check(cfg) -> None:

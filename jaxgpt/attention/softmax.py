@@ -16,7 +16,8 @@ class KVCache:
     keys[l], values[l]: (B, L, H_kv, D), H_kv = n_kv_head. positions, segments: (B, L) the position and segment
     (example) of the token in each slot; unless a call says otherwise, slot s holds position
     s of segment 0. index: (B,) the number of slots written so far in each row: the next
-    tokens are written at index, index+1, … Setting index lower (e.g. to each prompt's true
+    tokens are written at index, index+1, … tokens (B, L): the token id in each slot (what a
+    token takes from the one before it reads: jaxgpt.previous). Setting index lower (e.g. to each prompt's true
     length after a padded prefill) is allowed: slots at or past index are never attended to
     before they are written again.
     """
@@ -26,6 +27,7 @@ class KVCache:
     index: jax.Array
     positions: jax.Array
     segments: jax.Array
+    tokens: jax.Array
 
     @property
     def max_length(self) -> int:
@@ -40,8 +42,18 @@ class KVCache:
         segments = jnp.zeros(tokens.shape, jnp.int32) if segments is None else segments
         cache = self.replace(positions=write_rows(self.positions, jnp.broadcast_to(positions, tokens.shape),
                                                   self.index),
-                             segments=write_rows(self.segments, segments, self.index))
+                             segments=write_rows(self.segments, segments, self.index),
+                             tokens=write_rows(self.tokens, tokens, self.index))
         return positions, Where(positions, cache.positions, segments, cache.segments), cache
+
+    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
+        """(the token before each row's first new one (B,), whether the cache holds it): the one in
+        slot index − 1 when it is at the position before and of the same segment."""
+        slot = jnp.maximum(self.index - 1, 0)[:, None]
+        at = lambda rows: jnp.take_along_axis(rows, slot, axis=1)[:, 0]  # noqa: E731
+        segment = 0 if segments is None else segments[:, 0]
+        held = (self.index > 0) & (at(self.positions) == positions[:, 0] - 1) & (at(self.segments) == segment)
+        return at(self.tokens), held
 
     def layer(self, layer: int, positions):
         """What layer `layer`'s attention reads and extends: (keys, values, index)."""
@@ -93,7 +105,8 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.fl
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
     slots = jnp.broadcast_to(jnp.arange(max_length, dtype=jnp.int32), (batch_size, max_length))
     return KVCache(keys=zeros, values=zeros, index=jnp.zeros((batch_size,), jnp.int32), positions=slots,
-                   segments=jnp.zeros((batch_size, max_length), jnp.int32))
+                   segments=jnp.zeros((batch_size, max_length), jnp.int32),
+                   tokens=jnp.zeros((batch_size, max_length), jnp.int32))
 
 
 FORM = Form(attend=attend, init_cache=init_cache, slots_by_position=True)

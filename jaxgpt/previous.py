@@ -1,0 +1,90 @@
+"""What a token takes from the token before it: the smear and the bigram hash embedding
+(GPTConfig.smear, GPTConfig.bigram_table), both added to the token embedding e_t = E[x_t].
+
+    previous_tokens(tokens, positions, segments, before)   (x_{t−1}, whether there is one) of each token
+    smear(e, e_before, has, w, λ)    e_t + λ·σ(w·e_t[:g])·e_{t−1}: a gated share of the token before
+    bigram_hash(before, tokens, has, M)   h(x_{t−1}, x_t) ∈ 0…M−2, or M−1 with no token before
+    PreviousToken                    the module: E[x] with both added, as cfg asks
+
+The token before x_t is the one at position p_t − 1 of the same segment (the same example of a
+packed row): the first token of a sequence or of a packed example has none. In a call with a
+cache (decoding), the first new token's predecessor comes from the cache (its `token_before`),
+so decoding one token at a time computes what one pass over the whole sequence does.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxgpt import layout
+
+SMEAR_INPUTS = 12  # g: the smear's gate reads the first g channels of e_t (modded-nanogpt's 12)
+HASH_MULTIPLIERS = (36313, 27191)  # a, b of bigram_hash: odd, spread products over 32 bits
+
+
+def previous_tokens(tokens, positions, segments=None, before=None):
+    """(x_{t−1} (B, T), has (B, T)) for tokens (B, T) at positions (B, T) (or (1, T)) of segments
+    (B, T) or None: has_t = [p_{t−1} = p_t − 1 and s_{t−1} = s_t] inside the call; for t = 0,
+    `before` = (token (B,), exists (B,)) from a cache, else no token before (x_{t−1} = 0)."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(positions, (B, T))
+    first, exists = before if before is not None else (jnp.zeros((B,), tokens.dtype), jnp.zeros((B,), bool))
+    inside = positions[:, :-1] == positions[:, 1:] - 1
+    if segments is not None:
+        inside = inside & (segments[:, :-1] == segments[:, 1:])
+    previous = jnp.concatenate([first[:, None].astype(tokens.dtype), tokens[:, :-1]], axis=1)
+    return previous, jnp.concatenate([exists[:, None], inside], axis=1)
+
+
+def smear(e, e_before, has, w, lam):
+    """x_t = e_t + λ·σ(w·e_t[:g])·e_{t−1}·has_t: e, e_before (B, T, d), has (B, T), w (g,), λ ()."""
+    gate = lam * jax.nn.sigmoid(e[..., :w.shape[0]] @ w)
+    return e + (gate * has)[..., None] * e_before
+
+
+def bigram_hash(before, tokens, has, table_size: int):
+    """h_t = ((a·x_t) ⊕ (b·x_{t−1}) mod 2³²) mod (M − 1) where has_t, else M − 1 (a row of its own for
+    a token with none before); products and ⊕ in uint32, (a, b) = HASH_MULTIPLIERS, M = table_size."""
+    a, b = (jnp.uint32(m) for m in HASH_MULTIPLIERS)
+    mixed = (tokens.astype(jnp.uint32) * a) ^ (before.astype(jnp.uint32) * b)
+    return jnp.where(has, (mixed % jnp.uint32(table_size - 1)).astype(jnp.int32), table_size - 1)
+
+
+class PreviousToken(nn.Module):
+    """e_t = E[x_t], then with cfg.smear the smear (params smear_gate (g,), smear_lambda (): zero at
+    first, so the model starts without it), then with cfg.bigram_table = M the row B[h_t] of the
+    bigram table (M, d) (zero at first) added. `token_table` gives E[x] of token ids."""
+
+    cfg: object
+    compute: object
+
+    @nn.compact
+    def __call__(self, token_table, tokens, positions, segments=None, cache=None):
+        cfg, dtype = self.cfg, self.compute.params_dtype
+        e = token_table(tokens)
+        if not (cfg.smear or cfg.bigram_table):
+            return e
+        before = None if cache is None else cache.token_before(positions, segments)
+        previous, has = previous_tokens(tokens, positions, segments, before)
+        if cfg.smear:
+            g = min(SMEAR_INPUTS, cfg.d_model)
+            w = self.param("smear_gate", layout.declare(nn.initializers.zeros, ("gate",)), (g,), dtype)
+            lam = self.param("smear_lambda", layout.declare(nn.initializers.zeros, ()), (), dtype)
+            e = smear(e, token_table(previous), has, w.astype(e.dtype), lam.astype(e.dtype))
+        if cfg.bigram_table:
+            table = self.param("bigram", layout.declare(nn.initializers.zeros, ("bigrams", "embed"), group="embed"),
+                               (cfg.bigram_table, cfg.d_model), dtype)
+            e = e + jnp.take(table, bigram_hash(previous, tokens, has, cfg.bigram_table), axis=0).astype(e.dtype)
+        return e
+
+
+def check(cfg) -> None:
+    """A one-line ValueError for a smear or bigram_table GPTConfig cannot take."""
+    if not isinstance(cfg.smear, bool):
+        raise ValueError(f"GPTConfig.smear={cfg.smear!r}: must be True or False")
+    size = cfg.bigram_table
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
+        raise ValueError(f"GPTConfig.bigram_table={size!r}: must be 0 (no bigram embedding) or the rows of its "
+                         f"table, at least 2 (one is kept for a token with none before; e.g. 5·vocab_size)")
