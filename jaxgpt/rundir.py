@@ -263,14 +263,17 @@ def write_config(directory: Path, resolved: dict, resumed_at: int | None) -> Non
 
 
 def config_changes(saved: dict, resolved: dict) -> list[str]:
-    """'key old → new' for each dotted key outside SAID_ELSEWHERE whose value differs (a key
-    the saved config lacks, from an older version, is not a change)."""
+    """'key old → new' for each dotted key outside SAID_ELSEWHERE whose value differs as config.json
+    keeps it (a tuple is a JSON list; a key the saved config lacks, from an older version, is not a change)."""
+    def as_saved(value):
+        return [as_saved(item) for item in value] if isinstance(value, (list, tuple)) else value
+
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
         for key, value in tree.items():
             if not prefix and key in SAID_ELSEWHERE:
                 continue
-            out |= flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+            out |= flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": as_saved(value)}
         return out
 
     old, new = flat(saved), flat(resolved)
