@@ -33,20 +33,26 @@ def train_extras(gpt, mesh, optimizer, abstract, rows: int, grad_accum: int) -> 
     if grad_accum > 1:
         with _mesh(mesh):
             extras.append((-(grad_accum - 1), _update_program(optimizer, abstract)))
-    if gpt.compute.loss_chunk:
-        with _mesh(mesh):
-            per_chunk, program = _chunk_program(gpt, mesh, abstract.params, train=True)
-        extras.append((grad_accum * (chunks(rows * gpt.cfg.block_size, per_chunk) - 1), program))
+    with _mesh(mesh):
+        missed = _chunks_missed(gpt, rows)
+        if missed:
+            extras.append((grad_accum * missed, _chunk_program(gpt, mesh, abstract.params, train=True)))
     return tuple(extras)
 
 
 def eval_extras(gpt, mesh, params, rows: int) -> Extras:
     """The eval step's pair: the C − 1 chunks of its targets' scores counted too few."""
-    if not gpt.compute.loss_chunk:
-        return ()
     with _mesh(mesh):
-        per_chunk, program = _chunk_program(gpt, mesh, params, train=False)
-    return ((chunks(rows * gpt.cfg.block_size, per_chunk) - 1, program),)
+        missed = _chunks_missed(gpt, rows)
+        return ((missed, _chunk_program(gpt, mesh, params, train=False)),) if missed else ()
+
+
+def _chunks_missed(gpt, rows: int) -> int:
+    """C − 1 for a loss over `rows` rows under the current mesh: 0 without compute.loss_chunk, or in one chunk
+    (nothing is compiled for it then)."""
+    from jaxgpt.loss import chunk_tokens
+
+    return chunks(rows * gpt.cfg.block_size, chunk_tokens(gpt.compute)) - 1 if gpt.compute.loss_chunk else 0
 
 
 def _mesh(mesh):
@@ -55,9 +61,9 @@ def _mesh(mesh):
     return jax.set_mesh(mesh)
 
 
-def _chunk_program(gpt, mesh, params, train: bool) -> tuple[int, Any]:
-    """(the tokens of one chunk over all devices, the compiled loss and gradient of one chunk (train) or
-    its target scores (eval)), its rows split over the devices as the loop splits them."""
+def _chunk_program(gpt, mesh, params, train: bool):
+    """The compiled loss and gradient of one chunk (train) or its target scores (eval), its rows split over the
+    devices as the loop splits them."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -84,7 +90,7 @@ def _chunk_program(gpt, mesh, params, train: bool) -> tuple[int, Any]:
     else:
         lowered = jax.jit(lambda w, h, y: chunked.chunked_target_scores(logits_fn(gpt), w, h, y, chunk=n)).lower(
             head, hidden, targets)
-    return n, lowered.compile()
+    return lowered.compile()
 
 
 def _update_program(optimizer, abstract):
