@@ -1,23 +1,31 @@
-"""GPT-2 small on an accelerator: the train step's MFU, tokens/s, peak memory and compile time
-in bf16, and sampling tokens/s at batch 1 and 32.
+"""The presets' train step on one accelerator: tokens/s, MFU, memory and compile time in bf16,
+with cuDNN's attention against XLA's and the whole logits against the loss in chunks; and
+sampling tokens/s at batch 1 and 32.
 
-    python bench/bench_accelerator.py              # configs/gpt2_124m.py's model, on the default device
-    python bench/bench_accelerator.py --toy        # a toy size (the default on a CPU): a smoke test
+    python bench/bench_accelerator.py        # configs/gpt2_124m.py and speedrun_gpt2.py, on the default device
+    python bench/bench_accelerator.py --configs gpt2_124m --kernels cudnn --loss_chunks preset
+    python bench/bench_accelerator.py --toy  # toy sizes of the same models (the default on a CPU): a smoke test
 
-The model is configs/gpt2_124m.py's (12 layers, d 768, block 1024, bf16 compute, float32
-params) with attention='cudnn' on a GPU and 'xla' elsewhere; one micro-batch of --batch rows
-(no accumulation) per step, random tokens, AdamW. Compile time is `lower().compile()` of
-the train step; the step time is the median of --steps steps after one warm-up. MFU is
+Each row is one preset as shipped on this device: its model (block 1024, bf16 compute, float32
+parameters), its optimizer (AdamW; Muon for the speedrun), and its rows per step (512) taken
+as the preset takes them here (jaxgpt.micro_batch: the most rows per device that fit the
+device's memory, the rest by gradient accumulation), with the attention kernel and
+compute.loss_chunk of the row ('preset': the preset's own chunk; 0: the whole logits). Tokens
+are random. Compile time is `lower().compile()` of the train step; step time is the median of
+--steps steps after one warm-up; memory is the compiled step's (XLA's memory analysis: its
+peak where the platform reports one, else arguments + outputs + temporaries). MFU is
 flops_per_token · tokens/s over the device's dense bf16 peak (PEAKS; on a CPU the measured
-matmul peak). Peak memory is the device's peak_bytes_in_use (on a CPU the process's maxrss).
-Sampling is `generate` of --new tokens after a 16-token prompt, greedy, timed after a
-compiling call.
+float32 matmul peak). Sampling is `generate` of --new tokens after a 16-token prompt, greedy,
+timed after a compiling call, from the presets --sample names, with the preset's compute (its
+kernel; XLA's where that kernel cannot decode, as the row says). A variant that fails says why
+in its row and the others run.
+--json appends each row to a file as it is measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import json
 import statistics
 import sys
 import time
@@ -26,12 +34,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run from a checkout, or loaded by the tests
 
+import jaxgpt  # noqa: E402, F401 - before jax: it keeps an absent accelerator's plugin out (jaxgpt.platforms)
+
+# isort: split
 import jax  # noqa: E402
 from table import print_table  # noqa: E402
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token  # noqa: E402
 from jaxgpt.config import TrainConfig, load_config  # noqa: E402
 from jaxgpt.metrics import cached_matmul_peak  # noqa: E402
+from jaxgpt.micro_batch import chunk_bytes, device_memory, plan, row_bytes, row_margin, state_bytes  # noqa: E402
 from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.sampling import generate  # noqa: E402
@@ -41,16 +53,7 @@ from jaxgpt.training import init_state, make_train_step  # noqa: E402
 PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "NVIDIA L4": 121e12,
          "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v4": 275e12}
 TOY = dict(n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=256)
-
-
-def model(toy: bool) -> GPT:
-    """configs/gpt2_124m.py's model (or a toy one) as it runs here: its compute settings, with
-    the cudnn kernel on a GPU and xla elsewhere."""
-    config = load_config(ROOT / "configs" / "gpt2_124m.py")
-    cfg = GPTConfig.from_dict(dict(config.model))
-    kernel = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel})
-    return GPT(cfg.replace(**TOY) if toy else cfg, compute)
+TOY_ROWS, TOY_CHUNK = 8, 128  # a toy step's rows, and the chunk 'preset' stands for at toy size
 
 
 def peak_flops() -> tuple[float, str]:
@@ -60,19 +63,45 @@ def peak_flops() -> tuple[float, str]:
     return next((peak for name, peak in PEAKS.items() if kind.startswith(name)), float("nan")), kind
 
 
-def peak_memory_gib() -> float:
-    stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        return stats["peak_bytes_in_use"] / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+def preset(name: str, toy: bool, kernel: str, chunk: str, rows: int = 0):
+    """(model, train config) of configs/NAME.py as it runs here with `kernel` and `chunk`."""
+    config = load_config(ROOT / "configs" / f"{name}.py")
+    cfg = GPTConfig.from_dict(dict(config.model))
+    loss_chunk = (TOY_CHUNK if toy else config.compute.loss_chunk) if chunk == "preset" else int(chunk)
+    compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel, "loss_chunk": loss_chunk})
+    train = TrainConfig.from_mapping({**config.train, "rows_per_step": TOY_ROWS if toy else config.train.rows_per_step,
+                                      "batch_size": rows})
+    return GPT(cfg.replace(**TOY) if toy else cfg, compute), train
 
 
-def train_numbers(gpt: GPT, batch: int, steps: int) -> dict:
-    cfg, train = gpt.cfg, TrainConfig(steps=1000, warmup_steps=10)
+def micro_batch(gpt: GPT, train: TrainConfig) -> tuple[int, int]:
+    """(rows at once, micro-batches a step) as the preset takes them on this one device, or as
+    train.batch_size sets them."""
+    if train.batch_size:
+        return train.batch_size, train.rows_per_step // train.batch_size
+    memory, _ = device_memory(jax.devices()[:1], train)
+    state = state_bytes(gpt.cfg, gpt.compute, train) + chunk_bytes(gpt.cfg, gpt.compute)
+    choice = plan(train, 1, state, row_bytes(gpt.cfg, gpt.compute), memory, margin=row_margin(jax.default_backend()))
+    return choice.batch_size, choice.grad_accum
+
+
+def memory_gib(compiled) -> float:
+    memory = compiled.memory_analysis()
+    peak = getattr(memory, "peak_memory_in_bytes", 0)
+    if peak and jax.default_backend() != "cpu":
+        return peak / 2**30
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes) / 2**30
+
+
+def train_numbers(gpt: GPT, train: TrainConfig, steps: int) -> dict:
+    batch, accum = micro_batch(gpt, train)
+    cfg = gpt.cfg
     optimizer = make_optimizer(train, param_layout(gpt))
-    step = jax.jit(make_train_step(gpt, optimizer, learning_rate_schedule(train)), donate_argnums=0)
+    step = jax.jit(make_train_step(gpt, optimizer, learning_rate_schedule(train), grad_accum=accum),
+                   donate_argnums=0)
     state = jax.jit(lambda key: init_state(gpt, optimizer, key))(jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (batch, cfg.block_size + 1), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(1), (batch * accum, cfg.block_size + 1), 0, cfg.vocab_size)
     data = (tokens[:, :-1], tokens[:, 1:])
     start = time.perf_counter()
     compiled = step.lower(state, data, jax.random.key(2)).compile()
@@ -85,47 +114,93 @@ def train_numbers(gpt: GPT, batch: int, steps: int) -> dict:
         state, metrics = compiled(state, data, jax.random.key(i))
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    return {"compile_s": compile_s, "step_s": statistics.median(times), "params": state.params}
+    step_s = statistics.median(times)
+    tokens_per_s = batch * accum * cfg.block_size / step_s
+    return {"rows": f"{batch}×{accum}", "compile_s": compile_s, "step_ms": step_s * 1e3,
+            "tokens_per_s": tokens_per_s, "mfu": flops_per_token(cfg, cfg.block_size) * tokens_per_s / peak_flops()[0],
+            "memory_gib": memory_gib(compiled), "params": state.params}
 
 
-def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int) -> float:
+def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int) -> tuple[float, str]:
+    """(tokens/s, the kernel that sampled): the model's own, else XLA's where it cannot decode."""
     prompts = jax.random.randint(jax.random.key(3), (batch, 16), 0, gpt.cfg.vocab_size)
-    run = lambda: generate(params, gpt.cfg, prompts, jax.random.key(4), max_new_tokens=new,  # noqa: E731
-                           temperature=0.0, compute=gpt.compute)
-    jax.block_until_ready(run().tokens)  # compiles
-    start = time.perf_counter()
-    jax.block_until_ready(run().tokens)
-    return batch * new / (time.perf_counter() - start)
+    for compute in (gpt.compute, gpt.compute.replace(kernel="xla")):
+        def run(compute=compute):
+            return generate(params, gpt.cfg, prompts, jax.random.key(4), max_new_tokens=new, temperature=0.0,
+                            compute=compute)
+        try:
+            jax.block_until_ready(run().tokens)  # compiles
+        except Exception as error:  # noqa: BLE001 - the kernel cannot decode here: said, and XLA's samples
+            print(f"sampling with kernel={compute.kernel}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            continue
+        start = time.perf_counter()
+        jax.block_until_ready(run().tokens)
+        return batch * new / (time.perf_counter() - start), compute.kernel
+    return float("nan"), "none"
+
+
+def measured(name: str, toy: bool, kernel: str, chunk: str, steps: int, rows: int = 0) -> dict:
+    gpt, train = preset(name, toy, kernel, chunk, rows)
+    row = {"config": name, "kernel": kernel, "loss_chunk": gpt.compute.loss_chunk}
+    try:
+        row.update(train_numbers(gpt, train, steps))
+    except Exception as error:  # noqa: BLE001 - one variant failing (memory, a kernel) must not end the bench
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    return row
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--toy", action="store_true", help="a toy model (the default on a CPU)")
-    parser.add_argument("--batch", type=int, default=None, help="rows per step (default 16; 4 at toy size)")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--toy", action="store_true", help="toy sizes (the default on a CPU)")
+    parser.add_argument("--configs", default="gpt2_124m,speedrun_gpt2", help="presets in configs/, comma-separated")
+    parser.add_argument("--kernels", default=None, help="attention kernels (default cudnn,xla on a GPU, else xla)")
+    parser.add_argument("--loss_chunks", default="preset,0", help="compute.loss_chunk values; preset: the preset's")
+    parser.add_argument("--sample", default=None, help="presets to sample from (default: the first of --configs)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--micro_batch", type=int, default=0, help="rows at once (default: as the preset fits them)")
     parser.add_argument("--new", type=int, default=None, help="sampled tokens (default 256; 16 at toy size)")
+    parser.add_argument("--json", default=None, help="append each row, as JSON, to this file")
     args = parser.parse_args(argv)
     toy = args.toy or jax.default_backend() == "cpu"
-    gpt = model(toy)
-    cfg = gpt.cfg
-    batch, new = args.batch or (4 if toy else 16), args.new or (16 if toy else 256)
-    trained = train_numbers(gpt, batch, args.steps)
-    tokens_per_s = batch * cfg.block_size / trained["step_s"]
-    peak, device = peak_flops()
-    rows = [
-        ("train step compile (s)", f"{trained['compile_s']:.1f}"),
-        ("train step (ms)", f"{trained['step_s'] * 1e3:.1f}"),
-        ("train tokens/s", f"{tokens_per_s:,.0f}"),
-        ("MFU", f"{flops_per_token(cfg, cfg.block_size) * tokens_per_s / peak:.1%}"),
-        ("peak memory (GiB)", f"{peak_memory_gib():.2f}"),
-        *((f"sampling tokens/s, batch {b}", f"{sampling_tokens_per_s(gpt, trained['params'], b, new):,.0f}")
-          for b in (1, 32)),
-    ]
-    print(f"{device}; {'toy model' if toy else 'GPT-2 small'} ({cfg.n_layer} layers, d {cfg.d_model}, "
-          f"block {cfg.block_size}), {gpt.compute.dtype}, kernel={gpt.compute.kernel}, batch {batch}, "
-          f"median of {args.steps}")
-    print_table(("measure", "value"), rows)
-    return rows
+    kernels = (args.kernels or ("cudnn,xla" if jax.default_backend() == "gpu" else "xla")).split(",")
+    new = args.new or (16 if toy else 256)
+    _, device = peak_flops()
+    print(f"{device}; {'toy sizes' if toy else 'the presets'}, bf16 compute, median of {args.steps} steps", flush=True)
+
+    def say(row):
+        print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
+        if args.json:
+            with open(args.json, "a") as file:
+                file.write(json.dumps({"device": device, **{k: v for k, v in row.items() if k != "params"}}) + "\n")
+
+    rows, samples = [], []
+    sample = (args.sample or args.configs.split(",")[0]).split(",")
+    for name in args.configs.split(","):
+        sampled = name not in sample
+        for kernel in kernels:
+            for chunk in args.loss_chunks.split(","):
+                row = measured(name, toy, kernel, chunk, args.steps, args.micro_batch)
+                say(row)
+                params = row.pop("params", None)
+                rows.append(row)
+                if params is not None and not sampled:
+                    sampled = True
+                    gpt, _ = preset(name, toy, kernel, chunk)
+                    for batch in (1, 32):
+                        speed, used = sampling_tokens_per_s(gpt, params, batch, new)
+                        samples.append({"config": name, "kernel": used, "batch": batch, "tokens_per_s": speed})
+                        say(samples[-1])
+                del params
+    print_table(("config", "attention", "loss", "rows × steps", "compile (s)", "step (ms)", "tokens/s", "MFU",
+                 "memory (GiB)"),
+                [(r["config"], r["kernel"], f"chunks of {r['loss_chunk']}" if r["loss_chunk"] else "whole",
+                  *((r["rows"], f"{r['compile_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                     f"{r['mfu']:.1%}", f"{r['memory_gib']:.2f}") if "error" not in r else
+                    (r["error"], "", "", "", "", ""))) for r in rows])
+    print()
+    print_table(("config", "attention", "batch", f"sampling tokens/s ({new} new)"),
+                [(s["config"], s["kernel"], str(s["batch"]), f"{s['tokens_per_s']:,.0f}") for s in samples])
+    return rows, samples
 
 
 if __name__ == "__main__":

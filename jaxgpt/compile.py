@@ -411,7 +411,8 @@ def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
             "devices": len(devices), "processes": len({d.process_index for d in devices}),
             "mesh": dict(mesh.shape), "chip_figures": dataclasses.asdict(chip) if chip else None,
             "programs": {p.name: figures(p, chip, len(devices)) for p in programs}}
-    result["larger_micro_batch"] = micro_batch.larger_note(result, programs[0].loop, config.model.block_size)
+    result["larger_micro_batch"] = micro_batch.larger_note(result, programs[0].loop, config.model.block_size,
+                                                        devices[0].platform)
     return result
 
 

@@ -49,6 +49,16 @@ GiB = 2**30
 # XLA's TPU compiles of GPT-2 small kept 0.381 (v5e) and 0.411 GiB (v4) a row where row_bytes says 0.403: a
 # row is counted 2% larger when the rows are chosen (docs/SCALE.md, "The micro-batch per device")
 ROW_MARGIN = 1.02
+# on an H100 (jax 0.11.2, cuDNN attention) GPT-2 small's train step kept 0.391 GiB a row with the loss in chunks where
+# row_bytes says 0.211 (1.85×), the speedrun's 0.34 (1.37×), GPT-2's with the whole logits 0.73 (1.80×); and 128 rows
+# a device asked XLA for 95.8 GiB where 64 took 27.1 (a deviceless compile said 48.7): a GPU's row is counted 2.2
+# times (docs/SCALE.md, "Measured on GPUs")
+ROW_MARGINS = {"gpu": 2.2}
+
+
+def row_margin(platform: str) -> float:
+    """How much larger than row_bytes a row is counted when the rows are chosen on `platform`."""
+    return ROW_MARGINS.get(platform, ROW_MARGIN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +132,7 @@ def chunk_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
 
 
 def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, memory: float | None = None,
-         where: str = "") -> Plan:
+         where: str = "", margin: float = ROW_MARGIN) -> Plan:
     """The micro-batch of `train` on a mesh whose data × fsdp is `ways`: its own batch_size
     and grad_accum, or those rows_per_step leaves (the module's docstring says how), with
     `state` and `row` the bytes per device of the state and of one row (state_bytes,
@@ -142,7 +152,7 @@ def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, me
         raise ConfigError(f"train.rows_per_step={rows}{scheduled} must be divisible by the {ways} devices its rows are "
                           f"split over (the mesh's data × fsdp): choose a multiple of {ways}, or set train.batch_size "
                           "and train.grad_accum")
-    per_device = rows_per_device(common // ways, state, row, memory)
+    per_device = rows_per_device(common // ways, state, row, memory, margin)
     batch = per_device * ways
     why = (f"train.batch_size={batch} ({per_device} rows on each of {ways} devices) × train.grad_accum="
            f"{rows // batch} = train.rows_per_step={rows}: ")
@@ -154,13 +164,13 @@ def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, me
     return Plan(batch, rows // batch, why + "; set train.batch_size or train.grad_accum to choose")
 
 
-def rows_per_device(rows: int, state: float, row: float, memory: float | None) -> int:
-    """The largest divisor r of `rows` (a device's rows of one step) with state + r · ROW_MARGIN
-    · row ≤ memory; 1 when none fits (the run's memory check, or the compile, says so), all of
-    them when the memory is unknown."""
+def rows_per_device(rows: int, state: float, row: float, memory: float | None, margin: float = ROW_MARGIN) -> int:
+    """The largest divisor r of `rows` (a device's rows of one step) with state + r · margin ·
+    row ≤ memory (margin: row_margin of the platform); 1 when none fits (the run's memory check,
+    or the compile, says so), all of them when the memory is unknown."""
     if memory is None:
         return rows
-    fitting = [r for r in range(1, rows + 1) if rows % r == 0 and state + r * ROW_MARGIN * row <= memory]
+    fitting = [r for r in range(1, rows + 1) if rows % r == 0 and state + r * margin * row <= memory]
     return max(fitting, default=1)
 
 
@@ -189,7 +199,8 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
         if memory is None or train.memory_limit_gib:
             memory, where = device_memory(list(mesh.devices.flat), train)
         state = state_bytes(cfg, compute, train, mesh) + chunk_bytes(cfg, compute)
-        choice = plan(train, ways, state, row_bytes(cfg, compute), memory, where)
+        platform = mesh.devices.flat[0].platform
+        choice = plan(train, ways, state, row_bytes(cfg, compute), memory, where, row_margin(platform))
     if choice.why and say:
         print(f"jaxgpt: {choice.why}", file=sys.stderr)
     if (choice.batch_size, choice.grad_accum) == (train.batch_size, train.grad_accum):
@@ -224,14 +235,16 @@ def _bytes_limit(device) -> int | None:
         return None
 
 
-def larger_note(result: dict, grad_accum: int, block_size: int) -> str | None:
+def larger_note(result: dict, grad_accum: int, block_size: int, platform: str = "tpu") -> str | None:
     """A line when a larger micro-batch would fit the chip than the one jaxgpt.compile's
     `result` (compile.report's) compiled, at the same rows per step (`grad_accum` micro-batches
     of `block_size` tokens a row): from the train step's memory per device M at r rows per
     device and its state S (the parameters and optimizer state as laid out, and twice the
     parameters' bytes for the gradients), (M − S)/r a row, for m·r rows with m the largest
-    power of two dividing grad_accum where S + m·(M − S) ≤ the chip's HBM. None when none
-    would, or nothing is known of the chip's memory."""
+    power of two dividing grad_accum where S + m·(M − S)·g ≤ the chip's HBM, g the platform's
+    row_margin over ROW_MARGIN (1 on a TPU; on a GPU 2.2/1.02: a GPU's own compile of 128 rows
+    of GPT-2 small asked for 1.97× what a deviceless one said). None when none would, or
+    nothing is known of the chip's memory."""
     train, hbm = result["programs"]["train step"], (result.get("chip_figures") or {}).get("hbm")
     ways = result["mesh"]["data"] * result["mesh"]["fsdp"]
     batch = train["tokens"] // (grad_accum * block_size)
@@ -239,7 +252,7 @@ def larger_note(result: dict, grad_accum: int, block_size: int) -> str | None:
         return None
     rows = batch // ways
     state = train["parameters"] + train["optimizer_state"] + 2 * train["parameters"]
-    per_row = max(train["total"] - state, 0) / rows
+    per_row = max(train["total"] - state, 0) / rows * row_margin(platform) / ROW_MARGIN
     fits = [m for m in (2**i for i in range(1, grad_accum.bit_length()))
             if grad_accum % m == 0 and state + m * rows * per_row <= hbm]
     if not fits:

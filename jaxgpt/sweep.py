@@ -14,7 +14,8 @@ interrupted one resumes from its last checkpoint, one that holds another model i
 OUT that holds a cell finished with settings this sweep does not train holds another sweep: it is
 refused with nothing trained, its summary kept (a sweep with more cells than OUT's goes on).
 
-An ablation instead of a grid: `--ablate NAME:KEY=VALUE[,KEY=VALUE…]` (repeated) trains the config
+An ablation instead of a grid: `--ablate NAME:KEY=VALUE[,KEY=VALUE…]` (repeated; a value may hold
+commas inside brackets, e.g. `train.batch_schedule=((60,16),(240,32))`) trains the config
 as it is (the cell `all`) and, for each ablation, the config with those keys changed (the cell
 NAME): each element of a recipe removed in turn. Each ablation was asked for by name, so one the
 config refuses (a typo in a key or a value) stops the sweep before anything is trained.
@@ -116,7 +117,7 @@ def ablations_of(specs: list[str], config_argv: list[str] = ()) -> dict[str, dic
     ablations = {BASELINE: {}}
     for spec in specs:
         name, _, settings = spec.partition(":")
-        pairs = [item.partition("=") for item in settings.split(",")]
+        pairs = [item.partition("=") for item in top_level_items(settings)]
         if not re.fullmatch(r"[\w.+-]+", name) or not all(key and sep and value for key, sep, value in pairs):
             raise ConfigError(f"--ablate {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE…] "
                               "(e.g. no_qk_norm:model.qk_norm=False)")
@@ -130,6 +131,17 @@ def ablations_of(specs: list[str], config_argv: list[str] = ()) -> dict[str, dic
                               "set it in one place")
         ablations[name] = setting
     return ablations
+
+
+def top_level_items(text: str) -> list[str]:
+    """`text` split at the commas outside brackets: 'a=1,b=((0,1),(2,3))' → ['a=1', 'b=((0,1),(2,3))']."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return [*items, text[start:]]
 
 
 def seeds_of(text: str) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig, load_config
 from jaxgpt.errors import ConfigError
-from jaxgpt.micro_batch import Plan, block_values, chunk_bytes, larger_note, plan, row_bytes, state_bytes
+from jaxgpt.micro_batch import Plan, block_values, chunk_bytes, larger_note, plan, row_bytes, row_margin, state_bytes
 from jaxgpt.model import param_count
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -156,6 +156,29 @@ def test_the_preset_takes_the_micro_batch_that_fits(capsys):
     config.train.batch_size = 64  # explicit: the accumulation follows, nothing said
     chosen = resolved(config, mesh, cfg, compute)
     assert (chosen.train.batch_size, chosen.train.grad_accum) == (64, 8) and capsys.readouterr().err == ""
+
+
+def test_a_gpu_counts_a_row_at_its_margin_so_gpt2_takes_64_rows_on_an_h100():
+    """GPT-2 small with the loss in chunks of 4096 on one H100 (56.48 GiB for XLA, as the device
+    reported): a row is 1024 · 12 · 12d bf16 bytes = 0.211 GiB, the state 2.32 GiB and a chunk's
+    logits and gradient 8 · 4096 · 50304 bytes = 1.54 GiB. At a TPU's 1.02 a row, 128 rows need
+    3.86 + 128 · 0.215 = 31.4 GiB (they asked the GPU for 95.8); at a GPU's 2.2, 3.86 + 128 · 0.464
+    = 63.3 does not fit and 64 rows (33.6) do."""
+    chunked = FLASH.replace(kernel="cudnn", loss_chunk=4096)
+    row, state = 1024 * 12 * 12 * 768 * 2, STATE + 8 * 4096 * 50304
+    assert row_bytes(GPT2, chunked) == row and chunk_bytes(GPT2, chunked) == 8 * 4096 * 50304
+    h100 = 56.48 * GiB
+    assert row_margin("gpu") == 2.2 and row_margin("tpu") == row_margin("cpu") == 1.02
+    preset = train(rows_per_step=512, batch_size=0, grad_accum=0)
+    assert plan(preset, 1, state, row, h100, margin=row_margin("tpu")).batch_size == 128
+    on_gpu = plan(preset, 1, state, row, h100, margin=row_margin("gpu"))
+    assert (on_gpu.batch_size, on_gpu.grad_accum) == (64, 8)
+    # jaxgpt.compile's note scales its own figures alike: 64 rows at 25.69 GiB (a deviceless H100 compile)
+    figures = {"parameters": 0.464 * GiB, "optimizer_state": 0.927 * GiB, "total": 25.69 * GiB, "tokens": 524_288}
+    result = {"programs": {"train step": figures}, "chip_figures": {"hbm": 59.7 * GiB},
+              "mesh": {"data": 1, "fsdp": 1, "tensor": 1}}
+    assert larger_note(result, 8, 1024, "tpu").startswith("128 rows per device would fit")  # 2.32 + 2 · 23.37 = 49.1
+    assert larger_note(result, 8, 1024, "gpu") is None  # 2.32 + 2 · 23.37 · 2.2/1.02 = 103
 
 
 def test_the_compile_says_when_a_larger_micro_batch_would_fit():

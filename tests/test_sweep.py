@@ -180,3 +180,15 @@ def test_time_to_target_adds_the_intervals_training_seconds_worked_example():
     assert to_target(records, 2.5) == (30, 2.0 + 1.0 + 4.0)
     assert to_target(records, 2.6) == (20, 3.0)
     assert to_target(records, 1.0) == (None, None) and to_target(records, None) == (None, None)
+
+
+def test_an_ablation_value_may_hold_commas_inside_brackets():
+    """A tuple value (a batch schedule, value-embedding tables) keeps its commas; the settings
+    split at the commas outside brackets only."""
+    from jaxgpt.sweep import ablations_of
+
+    ablations = ablations_of(["sched:train.batch_schedule=((60,16),(240,32)),train.lr=0.01",
+                              "tables:model.value_embeds=[(0,-1)],model.smear=False", "none:model.value_embeds=()"])
+    assert ablations["sched"] == {"train.batch_schedule": "((60,16),(240,32))", "train.lr": "0.01"}
+    assert ablations["tables"] == {"model.value_embeds": "[(0,-1)]", "model.smear": "False"}
+    assert ablations["none"] == {"model.value_embeds": "()"}
