@@ -71,7 +71,10 @@ def preset(name: str, toy: bool, kernel: str, chunk: str, rows: int = 0):
     compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel, "loss_chunk": loss_chunk})
     train = TrainConfig.from_mapping({**config.train, "rows_per_step": TOY_ROWS if toy else config.train.rows_per_step,
                                       "batch_size": rows})
-    return GPT(cfg.replace(**TOY) if toy else cfg, compute), train
+    if toy:  # the preset's techniques kept, at a size two layers and 256 tokens hold
+        cfg = cfg.replace(**TOY, value_embeds=((0, -1),) if cfg.value_embeds else (),
+                          bigram_table=min(cfg.bigram_table, 64))
+    return GPT(cfg, compute), train
 
 
 def micro_batch(gpt: GPT, train: TrainConfig) -> tuple[int, int]:

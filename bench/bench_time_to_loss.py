@@ -1,6 +1,7 @@
 """Wall-clock time to a validation loss: nanoGPT's CPU recipe against configs/speedrun_cpu.py.
 
     python bench/bench_time_to_loss.py --nanogpt PATH [--python PATH] [--seeds 3] [--adamw]
+    python bench/bench_time_to_loss.py --nanogpt PATH --configs speedrun_cpu,speedrun_cpu_plus
 
 PATH is a checkout of https://github.com/karpathy/nanoGPT (nothing of it is copied here).
 Both train character-level models on Tiny Shakespeare on this machine, as whole processes:
@@ -8,9 +9,10 @@ Both train character-level models on Tiny Shakespeare on this machine, as whole 
     nanoGPT   train.py config/train_shakespeare_char.py bench/nanogpt_protocol.py with the CPU
               recipe of bench_vs_nanogpt.py (4×4×128, block 64, batch 12, AdamW, 2000 steps)
     jaxgpt    train.py --config=configs/speedrun_cpu.py (Muon, QK-norm, ReLU², soft-capped
-              logits, zero-initialised projections, untied embeddings, warmup–stable–decay)
+              logits, zero-initialised projections, untied embeddings, warmup–stable–decay),
+              and each other config --configs names (speedrun_cpu_plus: the later techniques)
 
-The runs alternate (nanoGPT seed s, jaxgpt seed s, …) after one untimed pair that fills the
+The runs alternate (nanoGPT seed s, each jaxgpt config seed s, …) after one untimed round that fills the
 caches a user's second run finds (nanoGPT's prepared data; jaxgpt's token cache and compiled
 programs).
 
@@ -96,13 +98,14 @@ def nanogpt_run(nanogpt: Path, python: str, seed: int, val: Path, work: Path, st
     return follow(command, nanogpt, env, work / "nanogpt.log")
 
 
-def jaxgpt_run(seed: int, text: Path, work: Path, eval_every: int, overrides: list[str]) -> list:
+def jaxgpt_run(seed: int, text: Path, work: Path, eval_every: int, overrides: list[str],
+               config_name: str = "speedrun_cpu") -> list:
     run_dir = work / "jaxgpt"
     shutil.rmtree(run_dir, ignore_errors=True)
     config = {"data.source": text, "train.seed": seed, "train.eval_every": eval_every, "train.eval_batch_size": 48,
               "train.eval_max_batches": WINDOWS // 48, "data.eval_stride": BLOCK, "sample.max_new_tokens": 0,
               "run_dir": run_dir, "resume": "never"}
-    command = [sys.executable, "train.py", "--config=configs/speedrun_cpu.py",
+    command = [sys.executable, "train.py", f"--config=configs/{config_name}.py",
                *[f"--config.{key}={value}" for key, value in config.items()], *overrides]
     return follow(command, ROOT, {**os.environ, "PYTHONUNBUFFERED": "1"}, work / "jaxgpt.log")
 
@@ -118,7 +121,7 @@ def row(name: str, runs: list[list], target: float) -> dict:
     steps = [h[1] if h else float("inf") for h in hits]
     finals = [r[-1][1] for r in runs]
     each = " ".join(f"{t:.1f}" if t < float("inf") else "—" for t in times)
-    print(f"{name:22} {each:>20} {statistics.median(times):>9.1f} {statistics.median(steps):>7} "
+    print(f"{name:28} {each:>20} {statistics.median(times):>9.1f} {statistics.median(steps):>7} "
           f"{statistics.median(finals):>10.4f}")
     return {"seconds": statistics.median(times), "steps": statistics.median(steps)}
 
@@ -134,8 +137,9 @@ def main() -> None:
     parser.add_argument("--adamw_steps", type=int, default=720, help="AdamW's schedule (it needs more steps)")
     parser.add_argument("--data", type=Path, default=DATA, help="the Tiny Shakespeare text both read")
     parser.add_argument("--nanogpt_steps", type=int, default=NANOGPT_STEPS, help="fewer: a quick check of the bench")
+    parser.add_argument("--configs", default="speedrun_cpu", help="jaxgpt's configs in configs/, comma-separated")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an override of configs/speedrun_cpu.py for every jaxgpt run (--config.KEY=VALUE)")
+                        help="an override of the configs for every jaxgpt run (--config.KEY=VALUE)")
     args = parser.parse_args()
     args.jaxgpt = [f"--config.{setting}" for setting in args.set]
     nanogpt, text = args.nanogpt.resolve(), args.data.resolve()
@@ -148,16 +152,18 @@ def main() -> None:
     adamw = [*args.jaxgpt, "--config.train.optimizer=adamw", f"--config.train.lr={args.adamw_lr}",
              f"--config.train.steps={args.adamw_steps}", f"--config.train.ckpt_every={args.adamw_steps}"]
     nano = lambda seed: nanogpt_run(nanogpt, args.python, seed, val, work, args.nanogpt_steps)  # noqa: E731
-    jax = lambda seed, more: jaxgpt_run(seed, text, work, args.eval_every, more)  # noqa: E731
-    runs = {"nanoGPT": [], "jaxgpt speedrun": [], "jaxgpt speedrun, AdamW": []}
+    jax = lambda seed, more, name="speedrun_cpu": jaxgpt_run(seed, text, work, args.eval_every, more, name)  # noqa: E731
+    names = args.configs.split(",")
+    runs = {"nanoGPT": [], **{f"jaxgpt {name}": [] for name in names}, "jaxgpt speedrun_cpu, AdamW": []}
     try:
         val = val_text(text, work)
-        nano(0), jax(0, args.jaxgpt)  # untimed: the caches a second run finds
+        nano(0), [jax(0, args.jaxgpt, name) for name in names]  # untimed: the caches a second run finds
         for seed in range(args.seeds):
             runs["nanoGPT"].append(nano(seed))
-            runs["jaxgpt speedrun"].append(jax(seed, args.jaxgpt))
+            for name in names:
+                runs[f"jaxgpt {name}"].append(jax(seed, args.jaxgpt, name))
             if args.adamw:
-                runs["jaxgpt speedrun, AdamW"].append(jax(seed, adamw))
+                runs["jaxgpt speedrun_cpu, AdamW"].append(jax(seed, adamw))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(runs)
@@ -167,14 +173,16 @@ def report(runs: dict[str, list]) -> None:
     target = statistics.median(r[-1][1] for r in runs["nanoGPT"])
     print(f"target: val loss {target:.4f} (the median final loss of nanoGPT's {len(runs['nanoGPT'])} runs); "
           f"{WINDOWS} windows of {BLOCK} targets of the validation split")
-    print(f"{'':22} {'seconds to target (each)':>20} {'median s':>9} {'steps':>7} {'final loss':>10}")
+    print(f"{'':28} {'seconds to target (each)':>20} {'median s':>9} {'steps':>7} {'final loss':>10}")
     rows = {name: row(name, each, target) for name, each in runs.items() if each}
-    nano, speedrun = rows["nanoGPT"], rows["jaxgpt speedrun"]
-    print(f"jaxgpt speedrun reaches nanoGPT's loss {nano['seconds'] / speedrun['seconds']:.2f}× as fast "
-          f"(medians; process start to the evaluation, evaluations and checkpoints left out)")
-    if "jaxgpt speedrun, AdamW" in rows:
+    nano = rows["nanoGPT"]
+    for name, timed in rows.items():
+        if name != "nanoGPT":
+            print(f"{name} reaches nanoGPT's loss {nano['seconds'] / timed['seconds']:.2f}× as fast "
+                  f"(medians; process start to the evaluation, evaluations and checkpoints left out)")
+    if "jaxgpt speedrun_cpu, AdamW" in rows and "jaxgpt speedrun_cpu" in rows:
         print(f"steps to the target, Muon / AdamW on the same model: "
-              f"{speedrun['steps'] / rows['jaxgpt speedrun, AdamW']['steps']:.2f}")
+              f"{rows['jaxgpt speedrun_cpu']['steps'] / rows['jaxgpt speedrun_cpu, AdamW']['steps']:.2f}")
     print(f"CPU: {cpu_name()}")
 
 

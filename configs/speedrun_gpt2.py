@@ -11,7 +11,9 @@ tokens = 524,288; the rows per device chosen to fit, as in configs/gpt2_124m.py)
 Muon (momentum 0.95, Nesterov) for the blocks' weight matrices; AdamW (β 0.8, 0.95) with their
 own learning rates for the token embedding, the untied unembedding and the gains. QK-norm,
 ReLU², logits soft-capped at 15, zero-initialised output projections, RoPE and RMSNorm without
-biases, a warmup–stable–decay schedule whose last 40% decays to zero. configs/gpt2_124m.py is the
+biases, a warmup–stable–decay schedule whose last 40% decays to zero. From the later records, the
+two that helped on the CPU (docs/EXPERIMENTS.md, "The later techniques"): three value-embedding
+tables and a bigram hash table, and NorMuon. configs/gpt2_124m.py is the
 2019 recipe at the same size (AdamW, GELU, tied embeddings, warmup-cosine).
 """
 
@@ -26,10 +28,13 @@ def get_config():
     config.model.update(vocab_size=50304,  # the tokenizer's 50257 padded to a multiple of 64
                         n_layer=12, n_head=12, d_model=768, block_size=1024, dropout=0.0, bias=False,
                         positions="rope", norm="rmsnorm", activation="relu2", qk_norm=True, logit_softcap=15.0,
-                        zero_init_out=True, tie_embeddings=False)
+                        zero_init_out=True, tie_embeddings=False,
+                        # the later techniques the CPU ablation kept (docs/EXPERIMENTS.md): three value-embedding
+                        # tables (layers 0 and 9, 1 and 10, 2 and 11) and a bigram hash table of the vocabulary's size
+                        value_embeds=((0, -3), (1, -2), (2, -1)), bigram_table=50304)
     config.compute.update(kernel="auto", dtype="bfloat16", param_dtype="float32", loss_chunk=4096)
     config.train.update(
-        optimizer="muon", lr=0.05, embed_lr=0.3, head_lr=0.008, scalar_lr=0.04, min_lr=0.0,
+        optimizer="muon", normuon=True, lr=0.05, embed_lr=0.3, head_lr=0.008, scalar_lr=0.04, min_lr=0.0,
         b1=0.8, b2=0.95, eps=1e-10, weight_decay=0.0, clip=0.0,
         schedule="wsd", warmup_steps=0, cooldown_fraction=0.4,
         steps=3250, rows_per_step=512, batch_size=0, grad_accum=0,

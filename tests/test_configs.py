@@ -36,7 +36,8 @@ def test_presets_match_their_recipes():
     assert gpt2.compute.dtype == "bfloat16" and gpt2.compute.param_dtype == "float32"
 
 
-def test_the_cpu_speedrun_has_no_more_parameters_and_no_longer_context_than_nanogpts_cpu_recipe():
+@pytest.mark.parametrize("name", ["speedrun_cpu", "speedrun_cpu_plus"])
+def test_the_cpu_speedrun_has_no_more_parameters_and_no_longer_context_than_nanogpts_cpu_recipe(name):
     """nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, no biases, tied, 65 characters):
     per layer 3d² + d² (attention) + 2·4d² (MLP) and two LayerNorm gains, a final gain, the
     65 × d token table and the 64 × d position table."""
@@ -45,7 +46,7 @@ def test_the_cpu_speedrun_has_no_more_parameters_and_no_longer_context_than_nano
     d, layers, block = 128, 4, 64
     nanogpt = layers * (12 * d * d + 2 * d) + d + 65 * d + block * d
     chars = tokenizers.train_tokenizer("char", ["".join(chr(33 + i) for i in range(65))])  # jaxgpt's 65 + specials
-    config = load_config(CONFIGS[0].parent / "speedrun_cpu.py")
+    config = load_config(CONFIGS[0].parent / f"{name}.py")
     cfg = model_config(config, vocab_size=chars.vocab_size)
     assert param_count(cfg) <= nanogpt == 804_096 and cfg.block_size <= block
     assert (cfg.qk_norm, cfg.activation, cfg.zero_init_out, cfg.tie_embeddings) == (True, "relu2", True, False)
