@@ -45,6 +45,7 @@ LOGICAL_AXES = {
     "mlp_in": "the FFN's hidden width read by its second and later layers (ffn_layers > 1)",
     "layers": "the blocks stacked on one axis (compute.scan_layers)",
     "bigrams": "the rows of the bigram hash table (model.bigram_table)",
+    "value_dim": "a head's width in a value-embedding table's row (model.value_embeds): split as d_model is",
     "gate": "the few channels of d_model a gate reads (the smear's)",
 }
 # Logical axis → the mesh axis it is split over (None: whole). One table for every parameter.
@@ -52,7 +53,7 @@ RULES = (
     ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
     ("mlp_in", "fsdp"), ("positions", None), ("norm", None), ("head_dim", None), ("qkv", None), ("kv", None),
     ("layers", None),
-    ("bigrams", "tensor"), ("gate", None),
+    ("bigrams", "tensor"), ("gate", None), ("value_dim", "fsdp"),
 )
 # Axes that must divide their mesh axis evenly (no silent replication): each device's query
 # heads read their own key/value heads. (One head, multi-query attention, is on every device.)

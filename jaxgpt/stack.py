@@ -118,7 +118,7 @@ class ValueEmbeds(nn.Module):
     def __call__(self, tokens):
         """(VE_k[x] for every table k, stacked (K, B, T, H_kv, D), {layer ℓ: λ_ℓ})."""
         cfg, dtype = self.cfg, self.compute.params_dtype
-        init = layout.declare(self.table_init, ("vocab", "kv_heads", "head_dim"), group="embed")
+        init = layout.declare(self.table_init, ("vocab", "kv_heads", "value_dim"), group="embed")
         shape = (cfg.vocab_size, cfg.n_kv_head, cfg.head_dim)
         rows = [rows_split(jnp.take(self.param(f"table_{k}", init, shape, dtype), tokens, axis=0))
                 for k in range(len(cfg.value_embeds))]

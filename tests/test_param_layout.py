@@ -72,6 +72,9 @@ EXPECTED = {
     "lm_head/kernel": ("fsdp", "tensor"), "logits_bias": ("tensor",),
     "scale": (None,), "bias": (None,),  # norms' gains and biases (and q_norm/k_norm's)
     "previous/bigram": ("tensor", "fsdp"), "previous/smear_gate": (None,), "previous/smear_lambda": (),
+    # a value table's rows over tensor like the token table's, each head's width over fsdp like its d_model
+    "value_embeds/table_0": ("tensor", None, "fsdp"), "value_embeds/table_1": ("tensor", None, "fsdp"),
+    "value_embeds/gate_0": (), "value_embeds/gate_1": (), "unet/w_0": (),
 }
 MULTI_QUERY = {"attn/kv_proj/kernel": ("fsdp", None, None, None), "attn/kv_proj/bias": (None, None, None)}
 
@@ -118,6 +121,7 @@ VARIANTS = {
     "linear": (dict(BASE, attention="linear"), False, "adamw"),
     "local": (dict(BASE, attention="local", window=4), False, "adamw"),
     "smear, bigram_table, scan_layers, muon": (dict(BASE, smear=True, bigram_table=50), True, "muon"),
+    "value_embeds, unet_skips, muon": (dict(BASE, value_embeds=((0,), (1,)), unet_skips=True), False, "muon"),
 }
 
 

@@ -135,7 +135,8 @@ def test_params_are_declared_counted_and_convert_between_layouts():
     tables, gates = declared["value_embeds"], declared["value_embeds"]
     for k in (0, 1):
         table = tables[f"table_{k}"]
-        assert (table.names, table.group, table.value.shape) == (("vocab", "kv_heads", "head_dim"), "embed", (23, 2, 4))
+        assert (table.names, table.group, table.value.shape) == (("vocab", "kv_heads", "value_dim"), "embed",
+                                                                 (23, 2, 4))
     scalars = [gates[f"gate_{layer}"] for layer in range(4)] + [declared["unet"][f"w_{i}"] for i in (0, 1)]
     assert all((leaf.names, leaf.group, leaf.value.shape) == ((), "scalar", ()) for leaf in scalars)
     assert layout.groups(declared)["h_0"]["attn"]["q_proj"]["kernel"] == "matrix"
