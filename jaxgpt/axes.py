@@ -42,3 +42,11 @@ def rows_split(x):
     if mesh is None or batch_ways(mesh) == 1 or x.ndim == 0 or x.shape[0] % batch_ways(mesh):
         return x
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+
+
+def whole(x):
+    """x whole on every device where it is read: a lookup table under fsdp, all-gathered before
+    the lookup as FSDP gathers a weight, its gradient reduce-scattered back to the table's
+    layout (a lookup from a split table would instead move every looked-up row). x itself
+    under no mesh."""
+    return x if current_mesh() is None else jax.lax.with_sharding_constraint(x, P())

@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import layout
+from jaxgpt import axes, layout
 from jaxgpt.axes import rows_split
 
 GATE_INIT = 0.5  # λ at first: the speedrun mixed ½·V + ½·VE[x]
@@ -120,7 +120,7 @@ class ValueEmbeds(nn.Module):
         cfg, dtype = self.cfg, self.compute.params_dtype
         init = layout.declare(self.table_init, ("vocab", "kv_heads", "value_dim"), group="embed")
         shape = (cfg.vocab_size, cfg.n_kv_head, cfg.head_dim)
-        rows = [rows_split(jnp.take(self.param(f"table_{k}", init, shape, dtype), tokens, axis=0))
+        rows = [rows_split(jnp.take(axes.whole(self.param(f"table_{k}", init, shape, dtype)), tokens, axis=0))
                 for k in range(len(cfg.value_embeds))]
         gates = {layer: scalar(self, f"gate_{layer}", GATE_INIT, dtype)
                  for layer in sorted(value_embed_layers(cfg.value_embeds, cfg.n_layer))}

@@ -151,7 +151,8 @@ train = dataclasses.replace(st.TRAIN, optimizer="muon", schedule="wsd", embed_lr
                             muon_coeffs="polar_express", normuon=True, cautious_weight_decay=True)
 # the modern recipe's model switches with it (configs/speedrun_*.py)
 cfg = dataclasses.replace(st.CFG, qk_norm=True, activation="relu2", logit_softcap=3.0, zero_init_out=True,
-                          tie_embeddings=False, positions="rope", norm="rmsnorm", bias=False)
+                          tie_embeddings=False, positions="rope", norm="rmsnorm", bias=False,
+                          value_embeds=((0,), (1,)), bigram_table=32)
 ref_losses, ref_params, _, _ = st.run(None, train, cfg)
 losses, params, sharded_leaves, state = st.run((2, 2, 2), train, cfg)
 pairs = zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
@@ -163,6 +164,9 @@ out["sharded_momentum"] = sum(not leaf.sharding.is_fully_replicated for leaf in 
 neurons = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
            if "'muon'" in jax.tree_util.keystr(path) and ".nu[" in jax.tree_util.keystr(path)]
 out["sharded_neurons"] = sum(not leaf.sharding.is_fully_replicated for leaf in neurons)
+tables = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+          if "value_embeds" in jax.tree_util.keystr(path) and leaf.ndim == 3]
+out["value_tables"] = [str(leaf.sharding.spec) for leaf in tables]
 checkpoints = Checkpoints(sys.argv[1], async_save=False)
 checkpoints.save(3, state.to_dict())
 saved = jax.device_get(state.to_dict())
@@ -182,12 +186,16 @@ print(json.dumps(out))
 
 def test_muon_on_a_mesh_equals_one_device_and_its_state_restores_onto_other_meshes(tmp_path):
     """On 8 CPU devices: three Muon steps (wsd, groups at their own rates; Polar Express, NorMuon,
-    cautious weight decay) of the recipe's model on the (2, 2, 2) mesh give the single device's
-    losses and parameters; the state, its momentum and NorMuon's statistics per neuron sharded
-    with their parameters, checkpoints and restores bit for bit onto (8, 1, 1) and one device."""
+    cautious weight decay) of the recipe's model with value embeddings and a bigram table, on the
+    (2, 2, 2) mesh give the single device's losses and parameters; the state, its momentum and
+    NorMuon's statistics per neuron sharded with their parameters, checkpoints and restores bit
+    for bit onto (8, 1, 1) and one device."""
     out = json.loads(finished(with_devices(MESHES, tmp_path / "run", TESTS), timeout=300))
     assert out["loss_diff"] < 1e-5 and out["param_diff"] < 1e-5, out
     assert out["sharded_leaves"] > 0 and out["sharded_momentum"] > 0 and out["sharded_neurons"] > 0, out
+    # the value-embedding tables split as declared (rows over tensor, each head's width over fsdp),
+    # gathered whole where they are looked up (jaxgpt.axes.whole)
+    assert out["value_tables"] == ["P('tensor', None, 'fsdp')"] * 2, out
     assert out["restored_onto"] == ["(8, 1, 1)", "(1, 1, 1)"]
 
 
