@@ -14,13 +14,11 @@ techniques that did not help here (U-net skips, smear, Polar Express, cautious w
 multi-token prediction, a batch schedule): docs/EXPERIMENTS.md.
 """
 
-from pathlib import Path
-
 from jaxgpt.config import load_config
 
 
 def get_config():
-    config = load_config(Path(__file__).with_name("speedrun_cpu.py"))
+    config = load_config(__file__.replace("speedrun_cpu_plus.py", "speedrun_cpu.py"))  # the recipe it adds to
     config.model.update(d_ff=480, value_embeds=((0, -1), (1, -2)), bigram_table=64)
     config.train.update(normuon=True, steps=180)
     return config

@@ -410,9 +410,8 @@ def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
     result = {"where": where or f"{len(devices)} local {jax.default_backend()} device(s)", "chip": chip_name,
             "devices": len(devices), "processes": len({d.process_index for d in devices}),
             "mesh": dict(mesh.shape), "chip_figures": dataclasses.asdict(chip) if chip else None,
-            "programs": {p.name: figures(p, chip, len(devices)) for p in programs}}
-    result["larger_micro_batch"] = micro_batch.larger_note(result, programs[0].loop, config.model.block_size,
-                                                        devices[0].platform)
+            "platform": devices[0].platform, "programs": {p.name: figures(p, chip, len(devices)) for p in programs}}
+    result["larger_micro_batch"] = micro_batch.larger_note(result, programs[0].loop, config.model.block_size)
     return result
 
 

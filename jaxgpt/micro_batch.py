@@ -235,16 +235,16 @@ def _bytes_limit(device) -> int | None:
         return None
 
 
-def larger_note(result: dict, grad_accum: int, block_size: int, platform: str = "tpu") -> str | None:
+def larger_note(result: dict, grad_accum: int, block_size: int) -> str | None:
     """A line when a larger micro-batch would fit the chip than the one jaxgpt.compile's
     `result` (compile.report's) compiled, at the same rows per step (`grad_accum` micro-batches
     of `block_size` tokens a row): from the train step's memory per device M at r rows per
     device and its state S (the parameters and optimizer state as laid out, and twice the
     parameters' bytes for the gradients), (M − S)/r a row, for m·r rows with m the largest
-    power of two dividing grad_accum where S + m·(M − S)·g ≤ the chip's HBM, g the platform's
-    row_margin over ROW_MARGIN (1 on a TPU; on a GPU 2.2/1.02: a GPU's own compile of 128 rows
-    of GPT-2 small asked for 1.97× what a deviceless one said). None when none would, or
-    nothing is known of the chip's memory."""
+    power of two dividing grad_accum where S + m·(M − S)·g ≤ the chip's HBM, g the row_margin
+    of the result's platform (a TPU where it names none) over ROW_MARGIN: 1 on a TPU; on a GPU
+    2.2/1.02, as a GPU's own compile of 128 rows of GPT-2 small asked for 1.97× what a
+    deviceless one said. None when none would, or nothing is known of the chip's memory."""
     train, hbm = result["programs"]["train step"], (result.get("chip_figures") or {}).get("hbm")
     ways = result["mesh"]["data"] * result["mesh"]["fsdp"]
     batch = train["tokens"] // (grad_accum * block_size)
@@ -252,7 +252,7 @@ def larger_note(result: dict, grad_accum: int, block_size: int, platform: str = 
         return None
     rows = batch // ways
     state = train["parameters"] + train["optimizer_state"] + 2 * train["parameters"]
-    per_row = max(train["total"] - state, 0) / rows * row_margin(platform) / ROW_MARGIN
+    per_row = max(train["total"] - state, 0) / rows * row_margin(result.get("platform", "tpu")) / ROW_MARGIN
     fits = [m for m in (2**i for i in range(1, grad_accum.bit_length()))
             if grad_accum % m == 0 and state + m * rows * per_row <= hbm]
     if not fits:

@@ -177,8 +177,8 @@ def test_a_gpu_counts_a_row_at_its_margin_so_gpt2_takes_64_rows_on_an_h100():
     figures = {"parameters": 0.464 * GiB, "optimizer_state": 0.927 * GiB, "total": 25.69 * GiB, "tokens": 524_288}
     result = {"programs": {"train step": figures}, "chip_figures": {"hbm": 59.7 * GiB},
               "mesh": {"data": 1, "fsdp": 1, "tensor": 1}}
-    assert larger_note(result, 8, 1024, "tpu").startswith("128 rows per device would fit")  # 2.32 + 2 · 23.37 = 49.1
-    assert larger_note(result, 8, 1024, "gpu") is None  # 2.32 + 2 · 23.37 · 2.2/1.02 = 103
+    assert larger_note({**result, "platform": "tpu"}, 8, 1024).startswith("128 rows per device would fit")  # 49.1
+    assert larger_note({**result, "platform": "gpu"}, 8, 1024) is None  # 2.32 + 2 · 23.37 · 2.2/1.02 = 103
 
 
 def test_the_compile_says_when_a_larger_micro_batch_would_fit():
