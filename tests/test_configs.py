@@ -36,7 +36,7 @@ def test_presets_match_their_recipes():
     assert gpt2.compute.dtype == "bfloat16" and gpt2.compute.param_dtype == "float32"
 
 
-@pytest.mark.parametrize("name", ["speedrun_cpu", "speedrun_cpu_plus"])
+@pytest.mark.parametrize("name", ["speedrun_cpu", "speedrun_cpu_plus", "speedrun_cpu_every"])
 def test_the_cpu_speedrun_has_no_more_parameters_and_no_longer_context_than_nanogpts_cpu_recipe(name):
     """nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, no biases, tied, 65 characters):
     per layer 3d² + d² (attention) + 2·4d² (MLP) and two LayerNorm gains, a final gain, the
