@@ -76,8 +76,16 @@ def tidy_cli_output() -> None:
 
     unraisable_hook.tidies_cli_output = True
     sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
-    # orbax's failed write tasks, each logged by asyncio as "Task exception was never retrieved"
-    logging.getLogger("asyncio").addFilter(lambda record: "/orbax/" not in record.getMessage())
+    # orbax's failed write tasks, each logged by asyncio as "Task exception was never retrieved",
+    # and the futures gathering them ("_GatheringFuture exception …", orbax in the traceback only)
+    logging.getLogger("asyncio").addFilter(lambda record: not _from_orbax(record))
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """The log record is orbax's: its message or its exception's traceback passes through orbax."""
+    error = record.exc_info[1] if record.exc_info else None
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    return "/orbax/" in record.getMessage() or any("/orbax/" in frame.filename for frame in frames)
 
 
 class stderr_kept(contextlib.AbstractContextManager):

@@ -11,3 +11,26 @@ def test_one_line_keeps_the_first_line_and_shortens_library_reprs():
     assert one_line(KeyError()) == "KeyError"
     assert one_line(OSError("disk"), with_type=True) == "OSError: disk"
     assert one_line(ValueError("x" * 500), limit=10) == "x" * 10
+
+
+def test_asyncio_logs_of_orbax_writes_are_dropped_and_others_kept():
+    """asyncio's 'exception was never retrieved' logs whose exception passed through orbax (in the
+    message, or only in the traceback: a gathering future's) are what tidy_cli_output's filter
+    drops; one from anywhere else is kept."""
+    import logging
+
+    from jaxgpt.errors import _from_orbax
+
+    def failed_in(filename: str):
+        try:
+            exec(compile("raise ValueError('RESOURCE_EXHAUSTED: no space left')", filename, "exec"))
+        except ValueError as error:
+            return (ValueError, error, error.__traceback__)
+
+    def record(message, exc_info=None):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, exc_info)
+
+    gathering = record("_GatheringFuture exception was never retrieved", failed_in("/site/orbax/checkpoint/x.py"))
+    task = record("Task exception was never retrieved\nfuture: <Task coro=<write() at /site/orbax/y.py:3>>")
+    other = record("Task exception was never retrieved", failed_in("/site/mine/z.py"))
+    assert _from_orbax(gathering) and _from_orbax(task) and not _from_orbax(other) and not _from_orbax(record("x"))
