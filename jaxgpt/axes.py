@@ -46,7 +46,7 @@ def rows_split(x):
 
 def whole(x):
     """x whole on every device where it is read: a lookup table under fsdp, all-gathered before
-    the lookup as FSDP gathers a weight, its gradient reduce-scattered back to the table's
-    layout (a lookup from a split table would instead move every looked-up row). x itself
-    under no mesh."""
+    the lookup as FSDP gathers a weight, its gradient returned to the table's layout (XLA
+    all-reduces it and keeps each device's slice; a lookup from a split table would instead
+    move every looked-up row). x itself under no mesh."""
     return x if current_mesh() is None else jax.lax.with_sharding_constraint(x, P())
