@@ -2,14 +2,14 @@
 mesh) row, the largest batch that fits and the remat setting with the best roofline bound,
 each point compiled by `python -m jaxgpt.compile` (needs the tpu extra; no TPU).
 
-    python bench/tpu_table.py [--rows 124m-v5e-dp,...] [--loss_chunk 4096] [--out DIR]
+    python bench/tpu_table.py [--rows 124m-v5e-dp,...] [--loss_chunk 0] [--out DIR]
 
 A point is rows per device r and compute.remat: r doubles from the row's first value while
 the train step fits the chip's HBM without remat, then goes on doubling with remat while it
 fits; between the largest r that fits and the double that does not, r is then bisected to a
 quarter of r (remat as the last fit). Of the largest fitting point of each remat setting, the row reports the one
-with the higher MFU bound. --loss_chunk N: compute.loss_chunk (0: the whole logits). Every
-figure is an upper bound from XLA's counts (jaxgpt.compile's table says how).
+with the higher MFU bound. --loss_chunk N: compute.loss_chunk (default 4096, the GPT-2 presets'; 0: the
+whole logits). Every figure is an upper bound from XLA's counts (jaxgpt.compile's table says how).
 """
 
 from __future__ import annotations
@@ -28,19 +28,20 @@ SHAPES = {  # GPT-2's shapes; the vocabulary padded to a multiple of 64
     "774m": dict(n_layer=36, n_head=20, d_model=1280),
     "1.5b": dict(n_layer=48, n_head=25, d_model=1600),
 }
-# name: (shape, topology, devices, fsdp, first rows per device: where the search starts, a point that fits)
+# name: (shape, topology, devices, fsdp, first rows per device: where the search starts, a point that fits
+# with the chunked loss, with remat where it needs it: the doubling search then takes few compiles)
 ROWS = {
-    "124m-v5e-dp": ("124m", "v5e:2x4", 8, 1, 8),
-    "124m-v5e-fsdp": ("124m", "v5e:2x4", 8, 8, 8),
-    "124m-v4-dp": ("124m", "v4:2x2x1", 4, 1, 8),
+    "124m-v5e-dp": ("124m", "v5e:2x4", 8, 1, 32),
+    "124m-v5e-fsdp": ("124m", "v5e:2x4", 8, 8, 64),
+    "124m-v4-dp": ("124m", "v4:2x2x1", 4, 1, 64),
     "124m-v4-fsdp": ("124m", "v4:2x2x1", 4, 4, 64),
     "350m-v5e1": ("350m", "v5e:1x1", 1, 1, 8),
     "774m-v5e4": ("774m", "v5e:2x2", 4, 4, 8),
-    "1.5b-v5e4": ("1.5b", "v5e:2x2", 4, 4, 8),
+    "1.5b-v5e4": ("1.5b", "v5e:2x2", 4, 4, 4),
 }
 
 
-LOSS_CHUNK = [0]  # compute.loss_chunk of every point (--loss_chunk)
+LOSS_CHUNK = [4096]  # compute.loss_chunk of every point (--loss_chunk)
 
 
 def compile_point(shape: str, topology: str, devices: int, fsdp: int, rows: int, remat: bool, out: Path) -> dict | None:
@@ -101,7 +102,7 @@ def best_of_row(name: str, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--loss_chunk", type=int, default=0)
+    parser.add_argument("--loss_chunk", type=int, default=LOSS_CHUNK[0])
     parser.add_argument("--out", default=str(ROOT / "runs" / "tpu_table"))
     args = parser.parse_args()
     LOSS_CHUNK[0] = args.loss_chunk

@@ -34,11 +34,16 @@ class DataError(ValueError):
 def one_line(error: BaseException, limit: int = 200, with_type: bool = False) -> str:
     """The first non-empty line of an error's message (at most `limit` characters), or its
     type's name when it has no message; `with_type` puts the type's name in front (for
-    errors from inside a library, whose type says more than their text)."""
+    errors from inside a library, whose type says more than their text). A longer line loses
+    its middle, not its end, where a message says what to do: `head … end`, its last third kept."""
     lines = [_without_reprs(line.strip()) for line in str(error).splitlines() if line.strip()]
     if not lines:
         return type(error).__name__
-    return f"{type(error).__name__}: {lines[0][:limit]}" if with_type else lines[0][:limit]
+    line = lines[0]
+    if len(line) > limit:
+        end = limit // 3
+        line = f"{line[:limit - end - 1]}…{line[len(line) - end:]}" if end else line[:limit]
+    return f"{type(error).__name__}: {line}" if with_type else line
 
 
 class TrainingError(RuntimeError):

@@ -320,6 +320,7 @@ def test_opening_checkpoints_to_read_says_nothing_of_a_read_only_directory(tmp_p
     """orbax's notice of the mode (read only) reads as a fault of a writable directory."""
     saved(tmp_path)
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="absl")  # whatever an earlier test in this process set it to
     checkpoints = Checkpoints(tmp_path, read_only=True)
     checkpoints.restore_params(abstract()["params"])
     checkpoints.close()

@@ -10,7 +10,17 @@ def test_one_line_keeps_the_first_line_and_shortens_library_reprs():
     assert one_line(ValueError("\n\n  bad value  \nsecond")) == "bad value"
     assert one_line(KeyError()) == "KeyError"
     assert one_line(OSError("disk"), with_type=True) == "OSError: disk"
-    assert one_line(ValueError("x" * 500), limit=10) == "x" * 10
+    assert one_line(ValueError("a" * 300 + "b" * 200), limit=10) == "aaaaaa…bbb"  # its middle cut, its end kept
+
+
+def test_a_long_message_keeps_what_to_do_at_its_end():
+    """A message with a long path in it (a run directory deep in a temporary tree) is cut in the
+    middle: it still ends with what to do."""
+    path = "/tmp/" + "/".join(["a-deep-folder"] * 12) + "/run/nowhere"
+    error = ValueError(f"run_dir={path}: run directory {path} does not exist: pass the directory a training run wrote")
+    line = one_line(error)
+    assert len(line) == 200 and line.startswith(f"run_dir={path[:60]}")
+    assert line.endswith("does not exist: pass the directory a training run wrote") and "…" in line
 
 
 def test_asyncio_logs_of_orbax_writes_are_dropped_and_others_kept():

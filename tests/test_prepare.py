@@ -397,9 +397,10 @@ def test_a_second_process_waits_for_the_build_in_progress_and_never_reads_it(tmp
 # --- encoding workers and their parent -----------------------------------------------------------
 
 STALLING_WORKERS = """
-import json, os, sys, time
+import faulthandler, json, os, signal, sys, time
 from pathlib import Path
 from jaxgpt import data
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks for every thread's stack
 from jaxgpt.tokenizers import CharTokenizer
 
 class Stalling(CharTokenizer):
@@ -462,7 +463,13 @@ def test_one_ctrl_c_stops_a_preparation_at_once_with_its_workers(tmp_path, corpu
     try:
         interrupted = time.monotonic()
         process.send_signal(signal.SIGINT)  # as Ctrl-C does; the workers ignore it, their parent stops them
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            process.kill()
+            raise AssertionError("the preparation did not stop:\n" + process.stderr.read().decode()[-6000:]) from None
         assert time.monotonic() - interrupted < 3, "the workers' batches were waited for"
         assert b"KeyboardInterrupt" in process.stderr.read()
         assert not any(map(alive, workers))
