@@ -31,7 +31,7 @@ class DataError(ValueError):
     """A data source, setting or cache that cannot be used; the message says what to do."""
 
 
-def one_line(error: BaseException, limit: int = 200, with_type: bool = False) -> str:
+def one_line(error: BaseException, limit: int = 400, with_type: bool = False) -> str:
     """The first non-empty line of an error's message (at most `limit` characters), or its
     type's name when it has no message; `with_type` puts the type's name in front (for
     errors from inside a library, whose type says more than their text). A longer line loses

@@ -16,10 +16,10 @@ def test_one_line_keeps_the_first_line_and_shortens_library_reprs():
 def test_a_long_message_keeps_what_to_do_at_its_end():
     """A message with a long path in it (a run directory deep in a temporary tree) is cut in the
     middle: it still ends with what to do."""
-    path = "/tmp/" + "/".join(["a-deep-folder"] * 12) + "/run/nowhere"
+    path = "/tmp/" + "/".join(["a-deep-folder"] * 20) + "/run/nowhere"
     error = ValueError(f"run_dir={path}: run directory {path} does not exist: pass the directory a training run wrote")
     line = one_line(error)
-    assert len(line) == 200 and line.startswith(f"run_dir={path[:60]}")
+    assert len(line) == 400 and line.startswith(f"run_dir={path[:60]}")
     assert line.endswith("does not exist: pass the directory a training run wrote") and "…" in line
 
 

@@ -401,6 +401,9 @@ import faulthandler, json, os, signal, sys, time
 from pathlib import Path
 from jaxgpt import data
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain asks for every thread's stack
+# Ctrl-C raises KeyboardInterrupt here, as in a terminal's foreground process, whatever this process inherited:
+# one forked while the test process had SIGINT ignored (for a moment, by a library) would ignore it too
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from jaxgpt.tokenizers import CharTokenizer
 
 class Stalling(CharTokenizer):
