@@ -22,15 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.muon import newton_schulz
-
-COEFFS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (a, b, c)
+from jaxgpt.optim import NS_COEFFS
 
 
 def program(banks, steps: int, dtype):
     """A jitted call of every bank's iterations in `dtype`, and its inputs."""
     rng = np.random.default_rng(0)
     stacks = [jnp.asarray(rng.standard_normal(shape), dtype) for shape in banks]
-    coeffs = jnp.tile(jnp.asarray([COEFFS], dtype), (steps, 1))
+    coeffs = jnp.tile(jnp.asarray([NS_COEFFS], dtype), (steps, 1))
     run = jax.jit(lambda xs: [newton_schulz(x, coeffs, 1e-7) for x in xs])
     jax.block_until_ready(run(stacks))
     return run, stacks

@@ -29,7 +29,7 @@ SHAPES = {  # GPT-2's shapes; the vocabulary padded to a multiple of 64
     "1.5b": dict(n_layer=48, n_head=25, d_model=1600),
 }
 # name: (shape, topology, devices, fsdp, first rows per device: where the search starts, a point that fits
-# with the chunked loss, with remat where it needs it: the doubling search then takes few compiles)
+# with the chunked loss, so that the doubling search takes few compiles)
 ROWS = {
     "124m-v5e-dp": ("124m", "v5e:2x4", 8, 1, 32),
     "124m-v5e-fsdp": ("124m", "v5e:2x4", 8, 8, 64),
