@@ -54,9 +54,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxgpt import tokenizers
+from jaxgpt.blocks import block_name, unstack_layers
 from jaxgpt.config import GPTConfig
 from jaxgpt.files import write_atomically
-from jaxgpt.model import unstack_layers
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -132,7 +132,7 @@ def _tensor_table(cfg: GPTConfig) -> list[_Tensor]:
     table = [_Tensor("wte.weight", ("wte", "embedding"), (V, d), (V, d)),
              _Tensor("wpe.weight", ("wpe", "embedding"), (cfg.block_size, d), (cfg.block_size, d))]
     for i in range(cfg.n_layer):
-        hf, block = f"h.{i}", f"h_{i}"
+        hf, block = f"h.{i}", block_name(i)
         table += norm(f"{hf}.ln_1", (block, "ln_1"))
         table += dense(f"{hf}.attn.c_attn", (block, "attn", "c_attn"), d, 3 * d, (d, 3, H, D), (3, H, D))
         table += dense(f"{hf}.attn.c_proj", (block, "attn", "c_proj"), d, d, (H, D, d), (d,))

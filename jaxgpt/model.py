@@ -13,7 +13,6 @@ it runs here. Generation passes an explicit cache in and gets the updated one ba
 from __future__ import annotations
 
 import math
-import re
 
 import flax.linen as nn
 import jax
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 from jaxgpt import layout, ops, previous, stack
 from jaxgpt.attention import FORMS, KERNELS, Where
 from jaxgpt.axes import rows_split
+from jaxgpt.blocks import layers_as, stack_layers, unstack_layers  # noqa: F401  (their home before jaxgpt.blocks)
 from jaxgpt.model_config import ComputeConfig, GPTConfig
 from jaxgpt.positions import SCHEMES
 
@@ -334,7 +334,12 @@ class GPT(nn.Module):
 
     def init(self, rngs, *args, **kwargs):
         """Flax's init, with every parameter a plain array. Each was made with its declaration
-        (jaxgpt.layout.declare), which param_layout reads; one made without is refused here."""
+        (jaxgpt.layout.declare), which param_layout reads; one made without is refused here.
+        The layout is how the model runs, not what it is: with scan_layers the params are the
+        per-layer init's, stacked, so a seed gives the same weights in either layout."""
+        if self.compute.scan_layers:
+            per_layer = self.clone(compute=self.compute.replace(scan_layers=False)).init(rngs, *args, **kwargs)
+            return {**per_layer, "params": stack_layers(per_layer["params"])}
         variables = super().init(rngs, *args, **kwargs)
         layout.check(variables["params"])
         return nn.meta.unbox(variables)
@@ -407,54 +412,6 @@ def unembed(cfg: GPTConfig, compute: ComputeConfig, head: dict, x):
     if cfg.logit_softcap is not None:  # c·tanh(z/c)
         logits = ops.softcap(logits, cfg.logit_softcap)
     return rows_split(logits)
-
-
-# --- the blocks' parameter layouts ------------------------------------------------------------
-
-BLOCK_NAME = re.compile(r"h_(\d+)")
-
-
-def _per_layer(node) -> bool:
-    return isinstance(node, dict) and "h_0" in node
-
-
-def _stacked(node) -> bool:
-    return isinstance(node, dict) and isinstance(node.get("h"), dict)
-
-
-def stack_layers(tree):
-    """The loop's layout → scan_layers': in every dict holding blocks h_0 … h_{L−1} (params, and
-    the optimizer state's moments, which mirror them), they become one 'h' whose leaves are
-    the L layers' leaves stacked on a new leading axis."""
-    def stack(node):
-        if not _per_layer(node):
-            return node
-        layers = sorted((int(m[1]), key) for key in node if (m := BLOCK_NAME.fullmatch(key)))
-        rest = {key: value for key, value in node.items() if not BLOCK_NAME.fullmatch(key)}
-        return {**rest, "h": jax.tree.map(lambda *leaves: jnp.stack(leaves), *(node[key] for _, key in layers))}
-
-    return jax.tree.map(stack, tree, is_leaf=_per_layer)
-
-
-def unstack_layers(tree):
-    """scan_layers' layout → the loop's: each stacked 'h' becomes h_0 … h_{L−1}, L read from the
-    first 'h' that holds arrays (an optimizer's masked copy of the params may hold none)."""
-    n_layer = next((leaf.shape[0] for node in jax.tree.leaves(tree, is_leaf=_stacked) if _stacked(node)
-                    for leaf in jax.tree.leaves(node["h"])), 0)
-
-    def unstack(node):
-        if not _stacked(node):
-            return node
-        rest = {key: value for key, value in node.items() if key != "h"}
-        return {**rest, **{f"h_{i}": jax.tree.map(lambda a, i=i: a[i], node["h"]) for i in range(n_layer)}}
-
-    return jax.tree.map(unstack, tree, is_leaf=_stacked)
-
-
-def layers_as(tree, scan_layers: bool):
-    """`tree` (params or anything mirroring them) in the layout compute.scan_layers asks for
-    (stacked when True), whichever layout it is in."""
-    return stack_layers(tree) if scan_layers else unstack_layers(tree)
 
 
 # --- sizes ----------------------------------------------------------------------------------

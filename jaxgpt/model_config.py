@@ -204,7 +204,7 @@ class ComputeConfig:
     dtype: the dtype the matmuls compute in. param_dtype: the dtype the parameters are kept
       in (training: also the optimizer's; sampling: the weights are cast to it once).
     scan_layers: the blocks as one nn.scan over params stacked on a leading axis (one block
-      compiled whatever n_layer is); model.layers_as converts params between the layouts.
+      compiled whatever n_layer is); blocks.layers_as converts params between the layouts.
     weights: "float" keeps every parameter in param_dtype. "int8" is weight-only quantisation
       for inference: each weight matrix (the Linear kernels and the token embedding, which is
       also the tied unembedding) is int8 with a float32 scale per output channel (ops.quantize),

@@ -30,11 +30,12 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from jaxgpt import data, micro_batch, rundir
+from jaxgpt.blocks import layers_as
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.lock import LockHeld, RunLock
-from jaxgpt.model import GPT, layers_as, param_layout
+from jaxgpt.model import GPT, param_layout
 from jaxgpt.model_config import check_kernel
 from jaxgpt.optim import make_optimizer
 from jaxgpt.preflight import check_memory, check_sections, check_unknown, start_from
@@ -228,7 +229,7 @@ def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None
 
 def _restore(run: Run, abstract: TrainState) -> tuple[TrainState, int]:
     """The newest intact checkpoint, onto `abstract`'s shapes, dtypes and shardings; one written in the other
-    layer layout (compute.scan_layers) is restored in its own, then converted (model.layers_as) and placed."""
+    layer layout (compute.scan_layers) is restored in its own, then converted (blocks.layers_as) and placed."""
     saved = run.saved_compute
     if saved is None or saved.scan_layers == run.compute.scan_layers:
         restored, step = run.checkpoints.restore(abstract.to_dict())

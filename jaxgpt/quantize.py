@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import ops
+from jaxgpt.blocks import layers_as, unstack_layers
 from jaxgpt.config import ComputeConfig, GPTConfig
-from jaxgpt.model import GPT, layers_as, param_layout, unstack_layers
+from jaxgpt.model import GPT, param_layout
 
 Q, SCALE = "_q", "_scale"
 

@@ -24,13 +24,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import convert, data, tokenizers
+from jaxgpt.blocks import unstack_layers
 from jaxgpt.checkpoint import Checkpoints, MismatchedCheckpoint
 from jaxgpt.config import RESUME, ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.files import write_json
-from jaxgpt.model import GPT, unstack_layers
+from jaxgpt.model import GPT
 from jaxgpt.model_config import split_model
 from jaxgpt.quantize import params_for
+from jaxgpt.sharding import place
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -58,7 +60,8 @@ def load_run(run_dir, step: int | None = None, compute: ComputeConfig | None = N
         params, _ = checkpoints.restore_params(abstract, step=step)
     finally:
         checkpoints.close()
-    return params_for(params, config, compute), config, tokenizer
+    # converted on the host, then placed (sharding.place): the restore's one device is no caller's mesh
+    return place(params_for(jax.device_get(params), config, compute)), config, tokenizer
 
 
 def saved_compute(saved: dict) -> ComputeConfig:
@@ -161,19 +164,15 @@ def init_params_from(spec: str, cfg: GPTConfig, compute: ComputeConfig | None = 
 def fit_params(source_cfg: GPTConfig, params, cfg: GPTConfig, compute: ComputeConfig, shardings,
                source: str) -> dict:
     """A source model's params for a run of `cfg`: the same architecture or ValueError, cropped
-    to cfg.block_size, in compute's param dtype and layer layout (model.layers_as), placed by
-    `shardings` when given (each process makes its shards: any number of hosts)."""
+    to cfg.block_size, in compute's param dtype and layer layout (blocks.layers_as), placed by
+    `shardings` (sharding.place)."""
     different = [f"{n}={getattr(cfg, n)!r} (checkpoint: {getattr(source_cfg, n)!r})" for n in source_cfg.to_dict()
                  if n not in RUN_FIELDS and getattr(cfg, n) != getattr(source_cfg, n)]
     if different:
         raise ValueError(f"the model config does not match {source}: {', '.join(different)}; leave the architecture "
                          "to the checkpoint")
     _, params = convert.crop_block_size(source_cfg, unstack_layers(jax.device_get(params)), cfg.block_size)
-    params = params_for(params, cfg, compute)
-    if shardings is None:
-        return params
-    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
-                        params, shardings)
+    return place(params_for(params, cfg, compute), shardings)
 
 
 # --- continuing the run in a directory ------------------------------------------------------------

@@ -55,6 +55,17 @@ def _does_not_fit(sizes, known: int, n: int, platform: str) -> str:
     return f"{what}: {choose}"
 
 
+def place(tree, shardings=None):
+    """`tree`'s arrays (host arrays, or device arrays anywhere) put where a run uses them, by
+    one rule for every path that restores or converts parameters: onto `shardings` (each
+    process makes only its own shards: any number of hosts), or without, uncommitted on the
+    default device, so a program under any mesh (jax.set_mesh) may take them."""
+    host = jax.device_get(tree)
+    if shardings is None:
+        return jax.device_put(host)
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]), host, shardings)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Rows of a batch split over the data and fsdp axes; the other dimensions whole."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

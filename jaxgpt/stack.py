@@ -13,7 +13,7 @@ decoding with a cache and packed rows need nothing more.
 The blocks run in a loop (params h_0 … h_{L−1}) or, with compute.scan_layers, as one nn.scan
 (params h, stacked): there a layer's table, gate and skip are picked by index from what the
 scan carries (the first half's outputs) and broadcasts (the tables' rows), a weight of 0 where
-a layer has none, so the params' tree is the loop's stacked and model.layers_as converts it.
+a layer has none, so the params' tree is the loop's stacked and blocks.layers_as converts it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxgpt import axes, layout
 from jaxgpt.axes import rows_split
+from jaxgpt.blocks import STACKED, block_name
 
 GATE_INIT = 0.5  # λ at first: the speedrun mixed ½·V + ½·VE[x]
 SKIP_INIT = 1.0  # w at first: the speedrun's skip weights start at one
@@ -158,7 +159,7 @@ def blocks(block, cfg, compute, x, tokens, where, layer_caches: list, determinis
         if layer in weights:
             x = add_skip(x, weights[layer], outputs[sources[layer]])
         value_embed = (gates[layer], rows[tables[layer]]) if layer in gates else None
-        x, layer_cache = block(cfg, compute, name=f"h_{layer}")(x, where, layer_caches[layer], deterministic,
+        x, layer_cache = block(cfg, compute, name=block_name(layer))(x, where, layer_caches[layer], deterministic,
                                                                  value_embed)
         outputs.append(x)
         new_layers.append(layer_cache)
@@ -192,7 +193,7 @@ def _scanned(block, cfg, compute, x, where, layer_caches: list, deterministic: b
                      split_rngs={"params": True, "dropout": True},
                      in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layer,
                      metadata_params={nn.PARTITION_NAME: layout.LAYERS})
-    (x, _), cache = layers(block, cfg, compute, name="h")((x, kept), where, cache, deterministic, rows, plan)
+    (x, _), cache = layers(block, cfg, compute, name=STACKED)((x, kept), where, cache, deterministic, rows, plan)
     return x, [None if cache is None else jax.tree.map(lambda a, i=i: a[i], cache) for i in range(cfg.n_layer)]
 
 

@@ -32,12 +32,13 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
 from jaxgpt.attention import FORMS
+from jaxgpt.blocks import block_name, layers_as
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.config import GPTConfig
 from jaxgpt.errors import tidy_cli_output
 from jaxgpt.files import unwritable, writable_directory
 from jaxgpt.metrics import current_records, read_metrics
-from jaxgpt.model import GPT, layers_as
+from jaxgpt.model import GPT
 from jaxgpt.run import load_run
 from jaxgpt.text import encode_prompt
 
@@ -133,7 +134,7 @@ def attention_maps(params, cfg: GPTConfig, token_ids, layer: int) -> np.ndarray:
     if not -cfg.n_layer <= layer < cfg.n_layer:
         raise ValueError(f"layer {layer} is out of range: the model has layers 0…{cfg.n_layer - 1}")
     _, weights = explicit_forward(params, cfg, cropped_context(cfg, token_ids))
-    return np.asarray(weights[f"h_{layer % cfg.n_layer}"][0], np.float32)
+    return np.asarray(weights[block_name(layer % cfg.n_layer)][0], np.float32)
 
 
 def next_token_distribution(params, cfg: GPTConfig, token_ids, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -20,8 +20,9 @@ PACKAGE = ROOT / "jaxgpt"
 # Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
 # know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
 LAYERS = (
-    ("errors", "files", "lazy", "ops", "multi_token", "axes", "platforms", "gpus"),  # axes: the mesh's names;
-    # platforms: JAX's; gpus: the GPUs jaxgpt.compile describes to XLA; multi_token: the targets k ahead
+    ("errors", "files", "lazy", "ops", "blocks", "multi_token", "axes", "platforms", "gpus"),
+    # blocks: their names and layer layouts; axes: the mesh's names; platforms: JAX's;
+    # gpus: the GPUs jaxgpt.compile describes to XLA; multi_token: the targets k ahead
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
     # registries of forms, kernels, schemes; muon: NS over banks; chunked: the loss a chunk of tokens at a time;
     # stack: the blocks composed, with value embeddings and U-net skips; previous: what a token takes from the

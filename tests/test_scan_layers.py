@@ -11,7 +11,9 @@ from test_model import RECIPE, decode_step_by_step, forward, random_params, tiny
 from test_run import corpus  # noqa: F401, F811  (the fixture)
 
 from jaxgpt import GPT, ComputeConfig, ops
-from jaxgpt.model import layers_as, stack_layers, unstack_layers
+from jaxgpt.blocks import layers_as, stack_layers, unstack_layers
+from jaxgpt.config import TrainConfig
+from jaxgpt.model import param_layout
 
 CASES = [  # 2 and 3 layers, every positions option, linear and local attention, remat, GQA, the recipe
     {"positions": "learned", "n_layer": 2, "n_head": 4, "n_kv_head": 2},
@@ -58,6 +60,22 @@ def test_scan_initialises_stacked_params_of_the_loops_shapes():
     params = random_params(cfg)
     want = jax.eval_shape(lambda: stack_layers(params))
     assert jax.tree.map(lambda a: (a.shape, a.dtype), init) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+
+
+@pytest.mark.parametrize("changes", [{}, {**RECIPE, "value_embeds": ((0, -1),), "unet_skips": True, "smear": True,
+                                      "bigram_table": 8, "n_layer": 4}], ids=["gpt2", "every_switch"])
+def test_a_seed_initialises_the_same_weights_in_either_layout(changes):
+    """The layout is how the model runs: a run from scratch with scan_layers starts from the per-layer run's
+    weights (the train state's params, as train.py initialises them), stacked."""
+    from jaxgpt.optim import make_optimizer
+    from jaxgpt.training import init_state
+
+    cfg = tiny(**{"n_layer": 3, **changes})
+    loop, scanned = (init_state(model, make_optimizer(TrainConfig(), param_layout(model)), 7).params
+                     for model in (GPT(cfg), GPT(cfg, SCAN)))
+    assert "h" in scanned and "h_0" in loop
+    jax.tree.map(np.testing.assert_array_equal, scanned, stack_layers(loop))
+    assert not np.array_equal(loop["h_0"]["attn"]["c_attn"]["kernel"], loop["h_1"]["attn"]["c_attn"]["kernel"])
 
 
 def test_layouts_convert_both_ways_params_and_optimizer_state():

@@ -13,8 +13,9 @@ from test_model import RECIPE, decode_step_by_step, forward, random_params, tiny
 from test_packed import packed_row
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, layout, ops, stack
+from jaxgpt.blocks import layers_as, stack_layers, unstack_layers
 from jaxgpt.config import TrainConfig
-from jaxgpt.model import flops_per_token, layers_as, param_count, param_layout, stack_layers, unstack_layers
+from jaxgpt.model import flops_per_token, param_count, param_layout
 from jaxgpt.optim import make_optimizer
 
 CASES = {  # value embeddings alone (GQA, a table shared by two layers), skips alone (L even and odd), both

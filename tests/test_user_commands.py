@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from jaxgpt import sharding
@@ -97,3 +99,46 @@ def test_sample_py_with_no_prompt_starts_a_new_document(main_job):
     out = run(argv, home, "--max_new_tokens", "6", "--num_samples", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("-" * 15) == 1 and out.stdout.strip()
+
+
+def corpus_text() -> str:
+    """A small corpus of many characters (a char tokenizer's), long enough for a validation split."""
+    words = ["the", "model", "reads", "a", "token", "and", "writes", "its", "next", "one", "from", "what", "came"]
+    return "\n".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(9)) + f" {i}." for i in range(600))
+
+
+EVERY_SWITCH = ["--config.model.unet_skips=True", "--config.model.smear=True"]  # the plus config has the rest
+# learning rates so small that a step moves no weight by a float32 ulp: the tuned run's checkpoint holds its start
+FROZEN = [f"--config.train.{key}=1e-30" for key in ("lr", "embed_lr", "head_lr", "scalar_lr")]
+QUICK = ["--config.train.warmup_steps=1", "--config.train.eval_every=2", "--config.train.ckpt_every=2",
+         "--config.train.eval_batch_size=8", "--config.train.eval_max_batches=1", "--config.sample.max_new_tokens=4"]
+
+
+TRAIN_PLUS = ["python", "train.py", "--config=configs/speedrun_cpu_plus.py", "--config.data.source=corpus.txt", *QUICK]
+
+
+@pytest.fixture(scope="module")
+def scanned_source(tmp_path_factory):
+    """A run of the CPU recipe trained with compute.scan_layers and every speedrun switch on."""
+    home = tmp_path_factory.mktemp("scanned_source")
+    (home / "corpus.txt").write_text(corpus_text())
+    source = run(TRAIN_PLUS, home, *EVERY_SWITCH, "--config.compute.scan_layers=True", "--config.train.steps=2",
+                 "--config.run_dir=runs/source")
+    assert source.returncode == 0, source.stderr[-3000:]
+    return home
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["per_layer", "scanned"])
+def test_init_from_a_scanned_run_with_every_speedrun_switch_starts_from_its_weights(scanned_source, scan_layers):
+    """A run trained with compute.scan_layers (every speedrun switch on) is fine-tuned on the machine's
+    default devices, into either layout: the new run starts from the source's weights (steps at learning
+    rates of 1e-30 leave them as they were), placed on its own mesh."""
+    from jaxgpt.rundir import load_run
+
+    home, tuned_dir = scanned_source, f"runs/tuned_{scan_layers}"
+    tuned = run(TRAIN_PLUS, home, "--config.init_from=runs/source", f"--config.compute.scan_layers={scan_layers}",
+                "--config.train.steps=2", *FROZEN, f"--config.run_dir={tuned_dir}")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert f"--- sample (run directory {tuned_dir}) ---" in tuned.stdout
+    before, after = load_run(home / "runs/source")[0], load_run(home / tuned_dir)[0]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-20), after, before)

@@ -27,8 +27,9 @@ import numpy as np
 
 from jaxgpt import layout
 from jaxgpt.attention import FORMS
+from jaxgpt.blocks import block_name, unstack_layers
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import param_layout, unstack_layers
+from jaxgpt.model import param_layout
 
 KINDS = ("q", "k", "v")
 MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
@@ -36,7 +37,7 @@ MAX_TOKEN_VOCAB = 4096  # token-level circuits are V × V
 
 def head_matrices(params, cfg: GPTConfig, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(W_QK, W_OV) of every head of `layer`, each (H, d, d)."""
-    block, declared = unstack_layers(params)[f"h_{layer}"], param_layout(cfg)[f"h_{layer}"]
+    block, declared = unstack_layers(params)[block_name(layer)], param_layout(cfg)[block_name(layer)]
     if not FORMS[cfg.attention].has_weights:
         raise ValueError("circuits read softmax attention's bilinear score qᵀk; attention='linear' scores "
                          "φ(q)ᵀφ(k), which W_QK does not describe: analyse a model with softmax attention")
