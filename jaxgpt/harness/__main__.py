@@ -7,28 +7,33 @@ model_args are checked first, before the harness is imported or its tasks indexe
 then loads and its scoring programs compile (`jaxgpt.harness.preload`) while the harness builds
 its tasks; compiled programs are kept on disk (jaxgpt.sharding.use_compilation_cache: 'auto'),
 so a second run loads them. Bad model_args, a run that cannot be loaded, and an error the harness
-raises for its input, are one line on stderr and status 2.
+raises for its input, are one line on stderr and status 2; so is a missing harness (the eval
+extra), --help or not.
 """
 
 from __future__ import annotations
 
 import sys
 
+USAGE = ("usage: python -m jaxgpt.harness [run] --model jaxgpt --model_args run_dir=RUN[,step=N,batch_size=B] "
+         "--tasks TASKS [the harness's options: lm_eval run --help]")
+
 
 def main(argv: list[str] | None = None) -> int:
     from absl import logging as absl_logging
 
     from jaxgpt.errors import one_line, tidy_cli_output
+    from jaxgpt.harness import HARNESS_MISSING, INSTALL, args
 
     tidy_cli_output()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
-    try:
-        from jaxgpt.harness import args
-    except ImportError as err:
-        print(f"jaxgpt.harness: error: {one_line(err)}: install the harness with pip install -e '.[eval]'",
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if HARNESS_MISSING is not None:  # every argument, --help's too, is the harness's to read
+        if {"-h", "--help"} & set(argv):
+            print(USAGE)
+        print(f"jaxgpt.harness: error: {one_line(HARNESS_MISSING)}: install the harness with {INSTALL}",
               file=sys.stderr)
         return 2
-    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return evaluate(args.from_command_line(argv), argv)
     except (ValueError, FileNotFoundError, KeyError) as err:
