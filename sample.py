@@ -41,6 +41,7 @@ from absl import logging as absl_logging
 from jaxgpt import beam, convert, sampling, viz
 from jaxgpt.attention import KERNELS
 from jaxgpt.checkpoint import CheckpointError
+from jaxgpt.cli import unescape
 from jaxgpt.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
 from jaxgpt.config import ComputeConfig
 from jaxgpt.data.records import PRESETS
@@ -62,7 +63,8 @@ def parse_args(argv):
     model.add_argument("--hf_dir", help="a Hugging Face GPT-2 directory (config.json, model.safetensors, vocab.json, "
                                         "merges.txt)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="the text to continue")
+    source.add_argument("--prompt", type=unescape, help=r"the text to continue (\n a newline, \t a tab, \\ a "
+                                                        "backslash)")
     source.add_argument("--prompt_file", help="a file holding the text to continue")
     source.add_argument("--record", metavar="JSON", help="a record (a JSON object of fields) whose prompt the run's "
                                                          "template (or --template) makes; prints the completion")

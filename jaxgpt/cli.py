@@ -1,13 +1,17 @@
-"""The command line of a run: a configs/*.py file and `--config.section.key=value` overrides,
+r"""The command line of a run: a configs/*.py file and `--config.section.key=value` overrides,
 parsed into the run's ConfigDict (train.py, jaxgpt.sweep). Each call parses afresh, so a
 process can read several configs. `--config.KEY=None` sets a key whose default is None
 (config.none_keys) back to None, whatever the config file chose. Both of absl's forms are read
-alike (`--config FILE`, `--config.KEY VALUE`: equals_form), and any other argument is refused."""
+alike (`--config FILE`, `--config.KEY VALUE`: equals_form), in any order (an override may stand
+before the file), and any other argument is refused. A text given on the command line reads its
+backslash escapes as a Python string does for three of them (unescape): `\n` a newline, `\t` a
+tab, `\\` one backslash."""
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 from absl import flags
@@ -22,7 +26,7 @@ def parse_config(argv: list[str], default_file: str | os.PathLike):
     with its overrides, run_dir defaulting to runs/<config file name>. ConfigError (one line)
     for a config file that does not load, an unknown key, a value of the wrong type or an
     argument that is none of those flags (absl would ignore it)."""
-    argv = equals_form(argv)
+    argv = file_first(equals_form(argv))
     base = load_config(_config_file(argv, default_file))  # a file that does not load: one line naming it
     _refuse_strays(argv[1:], base)
     argv, cleared = _none_overrides(argv)
@@ -43,11 +47,39 @@ def parse_config(argv: list[str], default_file: str | os.PathLike):
         raise ConfigError(next(iter(moved), None) or " ".join(line.strip() for line in str(error).strip().splitlines())
                           or type(error).__name__) from None
     for dotted in cleared:
-        *sections, key = dotted.split(".")
-        functools.reduce(lambda node, name: node[name], sections, config)[key] = None
+        _set(config, dotted, None)
+    for dotted in dict.fromkeys(overridden_keys(argv)):  # each key once: its final value, unescaped once
+        if isinstance(value := _get(config, dotted), str):
+            _set(config, dotted, unescape(value))
     if config.run_dir is None:
         config.run_dir = str(Path("runs") / Path(_config_file(argv, default_file)).stem)
     return config
+
+
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    r"""A text as typed on a command line, its escapes read: `\n` a newline, `\t` a tab, `\\` a
+    backslash (so `\\n` stays a backslash and an n); any other backslash is kept as typed. Shells
+    pass `'Q: {question}\nA: '` with a backslash and an n: the user means a newline."""
+    return re.sub(r"\\([nt\\])", lambda match: ESCAPES[match[1]], text)
+
+
+def _get(config, dotted: str):
+    return functools.reduce(lambda node, name: node[name], dotted.split("."), config)
+
+
+def _set(config, dotted: str, value) -> None:
+    *sections, key = dotted.split(".")
+    functools.reduce(lambda node, name: node[name], sections, config)[key] = value
+
+
+def file_first(argv: list[str]) -> list[str]:
+    """argv (in the `=` form) with its `--config=FILE` arguments first: absl reads an override
+    only after the file it overrides, and where a user puts it on the line should not matter."""
+    files = [arg for arg in argv[1:] if arg.startswith("--config=")]
+    return [argv[0], *files, *(arg for arg in argv[1:] if not arg.startswith("--config="))]
 
 
 def overridden_keys(argv: list[str]) -> list[str]:

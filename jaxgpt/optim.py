@@ -19,6 +19,7 @@ take to their builders: they are the lists of those names (jaxgpt.config checks 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -133,16 +134,20 @@ def scale_by_group_learning_rate(train: TrainConfig, schedule: optax.Schedule, d
 def ns_coefficients(setting: str) -> tuple:
     """train.muon_coeffs as optax.contrib.muon's ns_coeffs: a name of NS_TABLES (the quintic's one
     (a, b, c), used every step; Polar Express's rows, one per step), or rows 'a,b,c; a,b,c; …'
-    (one per step; a single row: every step). ValueError, in one line, for anything else."""
+    (one per step; a single row: every step), also written as Python writes them, '((a,b,c),(a,b,c))'.
+    ValueError, in one line, for anything else."""
     if setting in NS_TABLES:
         return NS_TABLES[setting]
+    text = str(setting).strip()
+    if text[:1] in "([":  # the rows in brackets: each innermost bracket is a row
+        text = ";".join(re.findall(r"[(\[]([^()\[\]]*)[)\]]", text))
     try:
-        rows = tuple(tuple(float(x) for x in row.split(",")) for row in str(setting).split(";") if row.strip())
+        rows = tuple(tuple(float(x) for x in row.split(",")) for row in text.split(";") if row.strip())
     except ValueError:
         rows = ()
     if not rows or any(len(row) != 3 for row in rows):
         raise ValueError(f"train.muon_coeffs={setting!r}: must be {' or '.join(map(repr, NS_TABLES))}, or one "
-                         "'a,b,c' row per Newton–Schulz step, separated by ';'")
+                         "'a,b,c' row per Newton–Schulz step, separated by ';' (or '((a,b,c),(a,b,c))')")
     return rows[0] if len(rows) == 1 else rows
 
 

@@ -81,7 +81,9 @@ class Cell:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m jaxgpt.sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxgpt.sweep", description=__doc__.split("\n\n")[0],
+                                     epilog="The config: --config=FILE and --config.KEY=VALUE overrides, anywhere on "
+                                            "the line, as train.py takes them.")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,…",
                         help="a config key and its values (repeat for more keys: their product is swept)")
     parser.add_argument("--ablate", action="append", default=[], metavar="NAME:KEY=V[,KEY=V…]",
@@ -117,7 +119,7 @@ def ablations_of(specs: list[str], config_argv: list[str] = ()) -> dict[str, dic
     ablations = {BASELINE: {}}
     for spec in specs:
         name, _, settings = spec.partition(":")
-        pairs = [item.partition("=") for item in top_level_items(settings)]
+        pairs = _pairs(top_level_items(settings))
         if not re.fullmatch(r"[\w.+-]+", name) or not all(key and sep and value for key, sep, value in pairs):
             raise ConfigError(f"--ablate {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE…] "
                               "(e.g. no_qk_norm:model.qk_norm=False)")
@@ -125,12 +127,27 @@ def ablations_of(specs: list[str], config_argv: list[str] = ()) -> dict[str, dic
             raise ConfigError(f"--ablate {name}: the name is taken{' by the baseline' if name == BASELINE else ''}; "
                               "give each ablation its own name")
         setting = {key: value for key, _, value in pairs}
+        if len(setting) < len(pairs):
+            twice = next(key for key in setting if [k for k, _, _ in pairs].count(key) > 1)
+            raise ConfigError(f"--ablate {name} sets {twice} twice: give each key one value")
         taken = [key for key in setting if key in SET_BY_THE_SWEEP or key in overridden_keys(list(config_argv))]
         if taken:
             raise ConfigError(f"--ablate {name} changes {taken[0]}, which the sweep or the command line sets: "
                               "set it in one place")
         ablations[name] = setting
     return ablations
+
+
+def _pairs(items: list[str]) -> list[list[str]]:
+    """[key, '=', value] of each KEY=VALUE item; an item without '=' after one continues its value (the
+    commas of train.muon_coeffs=a,b,c;a,b,c belong to the value)."""
+    pairs: list[list[str]] = []
+    for item in items:
+        if "=" not in item and pairs:
+            pairs[-1][2] += f",{item}"
+        else:
+            pairs.append(list(item.partition("=")))
+    return pairs
 
 
 def top_level_items(text: str) -> list[str]:

@@ -108,3 +108,36 @@ def test_train_py_help_prints_its_usage_and_exits_0():
                           timeout=120)
     assert done.returncode == 0 and done.stderr == ""
     assert done.stdout.startswith("Train a GPT: `python train.py") and "--config.SECTION.KEY=VALUE" in done.stdout
+
+
+@pytest.mark.parametrize("typed, means", [(r"Q: {q}\nA: ", "Q: {q}\nA: "), (r"a\tb", "a\tb"), (r"C:\\n", "C:\\n"),
+                                          (r"x\y \d", r"x\y \d"), ("no escapes", "no escapes")])
+def test_a_text_on_the_command_line_reads_three_escapes_once(typed, means):
+    """A worked example of the rule (docs/CONFIG.md): \\n, \\t and \\\\ as Python reads them, any other backslash
+    as typed; the value given twice is read once (the last), in any string key."""
+    config = parsed("--config.sample.prompt=first", f"--config.sample.prompt={typed}",
+                    f"--config.data.records.prompt_template={typed}")
+    assert config.sample.prompt == config.data.records.prompt_template == means
+
+
+def test_an_override_may_stand_before_the_config_file():
+    before = parsed("--config.run_dir=X", "--config.train.lr=0.01", "--config=configs/shakespeare_char.py")
+    after = parsed("--config=configs/shakespeare_char.py", "--config.run_dir=X", "--config.train.lr=0.01")
+    assert before.to_dict() == after.to_dict() and before.run_dir == "X" and before.train.lr == 0.01
+    assert before.data.tokenizer == "char"  # the file's, not the default's
+
+
+@pytest.mark.parametrize("command, rest", [(["train.py"], []), (["-m", "jaxgpt.data"], []),
+                                           (["-m", "jaxgpt.sweep"], ["--grid", "model.bias=False,True", "--out", "S"])])
+def test_every_command_with_config_overrides_reads_one_before_the_file_and_prints_its_help(command, rest, tmp_path):
+    """Each command line that takes --config (train.py, jaxgpt.data, the sweep) prints its usage for --help, and
+    an override before the file is read as after it (here a bad value, refused in one line, not absl's error)."""
+    argv = [sys.executable, *[str(ROOT / c) if c.endswith(".py") else c for c in command]]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    helped = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert helped.returncode == 0 and "--config" in helped.stdout, helped.stderr[-2000:]
+    refused = subprocess.run([*argv, "--config.train.lr=oops", f"--config={ROOT}/configs/shakespeare_char.py", *rest],
+                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and len(lines) == 1 and "train.lr" in lines[0], refused.stderr[-2000:]
+    assert "before a value for --config" not in refused.stderr

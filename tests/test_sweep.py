@@ -125,6 +125,7 @@ def test_a_grid_value_init_from_would_replace_is_refused_before_any_cell_trains(
     (["--grid", "train.seed=1,2"], "--grid train.seed: the sweep sets train.seed itself; use --seeds"),
     (["--ablate", "nobias"], "--ablate 'nobias': write NAME:KEY=VALUE[,KEY=VALUE…]"),
     (["--ablate", "all:model.bias=False"], "--ablate all: the name is taken by the baseline"),
+    (["--ablate", "x:model.qk_norm=False,model.qk_norm=True"], "--ablate x sets model.qk_norm twice"),
     (["--ablate", "a:train.seed=3"], "--ablate a changes train.seed, which the sweep or the command line sets"),
     (["--ablate", "a:model.bias=False", "--grid", "model.bias=False,True"], "give --grid KEY=V1,V2,… (a product"),
     (["--grid", "model.qk_norm=False,Ture"], "--grid model.qk_norm=Ture is refused in every cell (model.qk_norm takes "
@@ -192,3 +193,16 @@ def test_an_ablation_value_may_hold_commas_inside_brackets():
     assert ablations["sched"] == {"train.batch_schedule": "((60,16),(240,32))", "train.lr": "0.01"}
     assert ablations["tables"] == {"model.value_embeds": "[(0,-1)]", "model.smear": "False"}
     assert ablations["none"] == {"model.value_embeds": "()"}
+
+
+@pytest.mark.parametrize("written", ["3.4445,-4.775,2.0315;3.0,-3.2,1.2", "((3.4445,-4.775,2.0315),(3.0,-3.2,1.2))",
+                                     "[[3.4445,-4.775,2.0315],[3.0,-3.2,1.2]]"])
+def test_a_muon_coeffs_table_is_one_ablation_value_in_either_form(written):
+    """train.muon_coeffs rows, 'a,b,c;a,b,c' (its commas continue the value) or in brackets, are one value of
+    one key, and the optimizer reads the same two rows from each form."""
+    from jaxgpt.optim import ns_coefficients
+    from jaxgpt.sweep import ablations_of
+
+    setting = ablations_of([f"pe:train.muon_coeffs={written},train.muon_ns_steps=2"])["pe"]
+    assert setting == {"train.muon_coeffs": written, "train.muon_ns_steps": "2"}
+    assert ns_coefficients(setting["train.muon_coeffs"]) == ((3.4445, -4.775, 2.0315), (3.0, -3.2, 1.2))

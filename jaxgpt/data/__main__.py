@@ -4,7 +4,8 @@
 Reads, splits, tokenizes and caches config.data exactly as train.py would (a later run with
 the same data settings reuses the cache), with a progress bar in bytes and documents; a
 preparation that was stopped (Ctrl-C, a kill, a full disk) resumes where it stopped. Prints the
-cache directory and each split's tokens; warnings print as one line each, as train.py's do.
+cache directory, what the source is where its name does not say it (`stdlib`: which Python's) and
+each split's tokens; warnings print as one line each, as train.py's do.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class Bar:
 def main(argv: list[str]) -> int:
     from jaxgpt.cli import parse_config  # here, not above: each encoding worker imports this module again
 
+    if {"-h", "--help"} & set(argv[1:]):
+        print(__doc__.strip())
+        return 0
     tidy_cli_output()
     warnings.showwarning = _show_warning
     signal.signal(signal.SIGTERM, _stop)  # a kill stops it as Ctrl-C does: its workers ended, resumable
@@ -59,6 +63,8 @@ def main(argv: list[str]) -> int:
         print("prepare: stopped; run the same command to resume", file=sys.stderr)
         return 130
     print(f"cache: {corpus.directory}")
+    if "source_description" in corpus.meta:
+        print(f"source: {corpus.meta['source_description']}")
     for split, counts in corpus.meta["splits"].items():
         shards = len(counts.get("shards", [None]))
         print(f"{split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, "
