@@ -25,6 +25,7 @@ in its row and the others run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -43,7 +44,7 @@ from table import print_table  # noqa: E402
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token  # noqa: E402
 from jaxgpt.config import TrainConfig, load_config  # noqa: E402
 from jaxgpt.metrics import cached_matmul_peak  # noqa: E402
-from jaxgpt.micro_batch import chunk_bytes, device_memory, plan, row_bytes, row_margin, state_bytes  # noqa: E402
+from jaxgpt.micro_batch import fitted_plan  # noqa: E402
 from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
 from jaxgpt.sampling import generate  # noqa: E402
@@ -56,6 +57,7 @@ TOY = dict(n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=256)
 TOY_ROWS, TOY_CHUNK = 8, 128  # a toy step's rows, and the chunk 'preset' stands for at toy size
 
 
+@functools.cache  # a CPU's is measured (cached_matmul_peak): once a bench
 def peak_flops() -> tuple[float, str]:
     kind = jax.devices()[0].device_kind
     if jax.default_backend() == "cpu":
@@ -82,9 +84,7 @@ def micro_batch(gpt: GPT, train: TrainConfig) -> tuple[int, int]:
     train.batch_size sets them."""
     if train.batch_size:
         return train.batch_size, train.rows_per_step // train.batch_size
-    memory, _ = device_memory(jax.devices()[:1], train)
-    state = state_bytes(gpt.cfg, gpt.compute, train) + chunk_bytes(gpt.cfg, gpt.compute)
-    choice = plan(train, 1, state, row_bytes(gpt.cfg, gpt.compute), memory, margin=row_margin(jax.default_backend()))
+    choice = fitted_plan(train, 1, gpt.cfg, gpt.compute, jax.devices()[:1])
     return choice.batch_size, choice.grad_accum
 
 

@@ -33,6 +33,7 @@ def get_config():
         steps=1000, batch_size=16, lr=2e-3, min_lr=1e-4, warmup_steps=100, b1=0.9, b2=0.99, weight_decay=0.1,
         eval_every=250, ckpt_every=250, eval_batch_size=50, log_every=50,
     )
-    config.sample.update(prompt="Context: city=Oslo animal=owl metal=gold fruit=kiwi\nQuestion: What is the metal?\n"
-                                "Answer: ", max_new_tokens=8, temperature=0.0)
+    # the final sample: a held-out kind of record, its prompt made by the run's own templates (qa here, or yours)
+    config.sample.update(record='{"context": "city=Oslo animal=owl metal=gold fruit=kiwi", '
+                                '"question": "What is the metal?"}', max_new_tokens=8, temperature=0.0)
     return config

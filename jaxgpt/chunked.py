@@ -24,7 +24,9 @@ from jaxgpt.ops import target_logit, target_scores
 def as_chunks(x, chunk: int, fill=0):
     """x (N, …) as (M, chunk, …), M = ⌈N/chunk⌉, padded with `fill` to M·chunk rows: chunk j
     holds the rows a·M + j (a = 0…chunk−1), every M-th row from the j-th. Rows split over
-    devices in order stay so: each chunk takes chunk/devices rows of every device's share."""
+    devices in order stay so: each chunk takes chunk/devices rows of every device's share. A
+    chunk of N rows or more is one chunk of the N, nothing padded (the whole logits at once)."""
+    chunk = max(min(chunk, x.shape[0]), 1)
     M = -(-x.shape[0] // chunk)
     x = jnp.pad(x, [(0, M * chunk - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
     return x.reshape(chunk, M, *x.shape[1:]).swapaxes(0, 1)

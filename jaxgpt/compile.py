@@ -12,10 +12,12 @@ many hosts it has: jaxgpt.compile_gpu) or, with no --topology
 mesh.cpu_devices of them, as train.py makes them). Nothing is
 allocated: the state is abstract_state's shapes. One table per device: the memory of each
 program (the parts XLA allocates and their sum, and XLA's peak beside them: memory_figures)
-against the chip's HBM, XLA's FLOPs and bytes accessed, a roofline bound on the time (the larger of
-FLOPs / peak and bytes / bandwidth) with the tokens/s and MFU it allows (upper bounds from
-the compiler's counts; XLA has none for GPUs, where the bound on the time is the model's FLOP
-count at the GPU's peak instead), and the collectives of the compiled program by kind.
+against the budget of a device that the micro-batch is chosen by (jaxgpt.micro_batch.budget: the
+chip's HBM, a GPU's share for XLA, on a CPU its share of the RAM), XLA's FLOPs and bytes
+accessed, a roofline bound on the time (the larger of FLOPs / peak and bytes / bandwidth) with
+the tokens/s and MFU it allows (upper bounds from the compiler's counts; XLA has none for GPUs,
+where the bound on the time is the model's FLOP count at the GPU's peak instead), and the
+collectives of the compiled program by kind; then the verdict: whether the train step fits.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxgpt import compile_gpu, gpus
-from jaxgpt.compile_table import GiB, format_report, size
+from jaxgpt.compile_table import GiB, budget_name, format_report, size
 from jaxgpt.errors import stderr_kept
 from jaxgpt.platforms import tpu_present
 
@@ -372,10 +374,12 @@ def _cost(compiled) -> dict:
     return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
 
 
-def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]:
-    """The report of one program, per device: its memory (memory_figures), XLA's counts and
-    the bounds they allow. Where XLA has no cost analysis (a GPU), the counts are None and the
-    time is bounded by the model's FLOPs at the chip's peak instead (bound_from 'model_flops')."""
+def figures(program: Program, chip: Chip | None, devices: int, budget: float | None = None) -> dict[str, Any]:
+    """The report of one program, per device: its memory (memory_figures) against `budget`, the
+    bytes a device may use (None: the chip's HBM) as `hbm`, whether it `fits` and the `margin`;
+    XLA's counts and the bounds they allow. Where XLA has no cost analysis (a GPU), the counts are
+    None and the time is bounded by the model's FLOPs at the chip's peak instead (bound_from
+    'model_flops')."""
     cost = _cost(program.compiled)
     counted = "flops" in cost
     parts = [(program.loop, cost), *((times, _cost(compiled)) for times, compiled in program.extras)] if counted else []
@@ -385,9 +389,9 @@ def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]
               else None,
               "bound_from": "xla_counts" if counted else "model_flops",
               "tokens": program.tokens, "collectives": collectives(program.compiled.as_text())}
-    total = result["total"]
-    if chip and chip.hbm:
-        result.update(hbm=chip.hbm, fits=total <= chip.hbm, margin=chip.hbm - total)
+    total, budget = result["total"], budget or (chip.hbm if chip else None)
+    if budget:
+        result.update(hbm=budget, fits=total <= budget, margin=budget - total)
     if chip and chip.flops and program.tokens and (counted or program.model_flops):
         bound = (max(result["flops"] / chip.flops, result["bytes_accessed"] / chip.bandwidth) if counted
                  else program.model_flops / (chip.flops * devices))
@@ -399,18 +403,23 @@ def figures(program: Program, chip: Chip | None, devices: int) -> dict[str, Any]
 
 
 def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
-    """Compile the config's programs for `devices` and gather their figures (see figures)."""
+    """Compile the config's programs for `devices` and gather their figures (see figures), each
+    against the budget the micro-batch was chosen by (`budget`: its bytes and what they are)."""
     import jax
 
     from jaxgpt import micro_batch
+    from jaxgpt.config import TrainConfig
 
     devices = list(jax.devices()) if devices is None else devices
     mesh, programs = compile_programs(config, devices)
     chip_name, chip = chip_of(devices)
+    memory, of = micro_batch.budget(list(mesh.devices.flat), TrainConfig.from_mapping(config.train),
+                                    chip.hbm if chip else None)  # as compile_programs' micro-batch was chosen
     result = {"where": where or f"{len(devices)} local {jax.default_backend()} device(s)", "chip": chip_name,
-            "devices": len(devices), "processes": len({d.process_index for d in devices}),
-            "mesh": dict(mesh.shape), "chip_figures": dataclasses.asdict(chip) if chip else None,
-            "platform": devices[0].platform, "programs": {p.name: figures(p, chip, len(devices)) for p in programs}}
+              "devices": len(devices), "processes": len({d.process_index for d in devices}),
+              "mesh": dict(mesh.shape), "chip_figures": dataclasses.asdict(chip) if chip else None,
+              "budget": {"bytes": memory, "of": of}, "platform": devices[0].platform,
+              "programs": {p.name: figures(p, chip, len(devices), memory) for p in programs}}
     result["larger_micro_batch"] = micro_batch.larger_note(result, programs[0].loop, config.model.block_size)
     return result
 
@@ -431,7 +440,7 @@ def print_and_check(result: dict, json_path: str | None = None) -> int:
     if train.get("fits", True):
         return 0
     print(f"jaxgpt.compile: the train step needs {size(train['total'])} per device, {size(-train['margin'])} "
-          f"more than the {size(train['hbm'])} of a {result['chip']}: {KNOBS}", file=sys.stderr)
+          f"more than the {size(train['hbm'])} of {budget_name(result)}: {KNOBS}", file=sys.stderr)
     return 2
 
 
@@ -449,23 +458,8 @@ def local_devices(config) -> list:
     return list(jax.devices())
 
 
-def check_writable(path: str) -> None:
-    """ValueError, before anything is compiled, for a --json PATH that cannot be written
-    (print_and_check still says it in one line if the write fails all the same)."""
-    target = Path(path)
-    if target.is_dir():
-        reason = "it is a directory"
-    elif not target.parent.is_dir():
-        reason = f"no directory {target.parent}"
-    elif not os.access(target if target.exists() else target.parent, os.W_OK):
-        reason = "permission denied"
-    else:
-        return
-    raise ValueError(f"cannot write --json {path} ({reason})")
-
-
 def main(argv: list[str] | None = None) -> int:
-    from jaxgpt.compile_args import parse_args, usage, wants_help
+    from jaxgpt.compile_args import check_writable, parse_args, usage, wants_help
     from jaxgpt.errors import one_line, tidy_cli_output
 
     argv = sys.argv if argv is None else argv
@@ -486,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         tidy_cli_output()
         if gpu and (note := compile_gpu.attention_without_cudnn(config, topology)):
             notes.append(note)
-        with stderr_kept(enabled=gpu) as compiler:  # XLA's GPU compiler warns on stderr: its warnings become notes
+        # XLA's GPU compiler warns on stderr: its warnings become notes; jaxgpt's own lines stay jaxgpt's
+        with stderr_kept(enabled=gpu, python=False) as compiler:
             devices = topology_devices(topology, options.get("chips_per_host")) if topology else local_devices(config)
             result = report(config, devices, f"{'GPU' if gpu else 'TPU'} topology {topology}" if topology else None)
         notes.extend(compile_gpu.compiler_notes(compiler.lines()) if gpu else ())

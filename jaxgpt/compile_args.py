@@ -9,6 +9,8 @@ errors, `--config.KEY=None`)."""
 from __future__ import annotations
 
 import difflib
+import os
+from pathlib import Path
 
 from jaxgpt.errors import ConfigError
 from jaxgpt.gpus import is_gpu_topology
@@ -22,7 +24,8 @@ USAGE = f"""usage: {PROGRAM} [--config=FILE] [--config.KEY=VALUE ...] [--topolog
 
 Compile a config's train step, eval step and generate without running them, and print per
 device their memory, XLA's FLOPs and bytes, a roofline bound and their collectives (for a
-GPU: memory and collectives, and a bound from the model's FLOP count; XLA has no cost analysis).
+GPU: memory and collectives, and a bound from the model's FLOP count; XLA has no cost analysis),
+then a verdict: whether the train step fits the memory its micro-batch was chosen for.
 
 options (each also written --option VALUE):
   --config=FILE            a configs/*.py file (default: configs/default.py)
@@ -111,3 +114,18 @@ def _not_understood(arg: str) -> str:
         return f"unknown option {arg}{hint}: {PROGRAM} --help lists the options"
     return (f"unexpected argument {arg!r}: every argument is an option (--name=VALUE or --name VALUE); "
             f"{PROGRAM} --help lists them")
+
+
+def check_writable(path: str) -> None:
+    """ValueError, before anything is compiled, for a --json PATH that cannot be written
+    (print_and_check still says it in one line if the write fails all the same)."""
+    target = Path(path)
+    if target.is_dir():
+        reason = "it is a directory"
+    elif not target.parent.is_dir():
+        reason = f"no directory {target.parent}"
+    elif not os.access(target if target.exists() else target.parent, os.W_OK):
+        reason = "permission denied"
+    else:
+        return
+    raise ValueError(f"cannot write --json {path} ({reason})")

@@ -1,7 +1,8 @@
 """The report of jaxgpt.compile as one plain-text table per device, a column per program:
-each program's memory (its parts down to their sum, then XLA's peak beside them, the HBM and
-whether it fits), XLA's counts with the roofline bounds they allow (for a GPU, where XLA has
-none, the bound from the model's FLOP count), and the collectives."""
+each program's memory (its parts down to their sum, then XLA's peak beside them, the memory a
+device may use and whether it fits), XLA's counts with the roofline bounds they allow (for a GPU,
+where XLA has none, the bound from the model's FLOP count), and the collectives; then the
+verdict: whether the train step fits the budget its micro-batch was chosen by."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def _rows(result: dict) -> list[list[str]]:
 
     rows = [row(label, lambda p, k=key: size(p[k])) for label, key in MEMORY_ROWS]
     rows.append(row(PEAK_ROWS[_total_from(result)], lambda p: size(p["peak"])))
-    if result["chip_figures"] and result["chip_figures"]["hbm"]:
+    if all("hbm" in p for p in programs):
         rows.append(row(_memory_label(result), lambda p: size(p["hbm"])))
         rows.append(row(f"fits (its {_total_from(result)})", lambda p: f"{'yes' if p['fits'] else 'NO'}, "
                         f"{size(abs(p['margin']))} {'spare' if p['fits'] else 'over'}"))
@@ -74,9 +75,11 @@ def _counted(result: dict) -> bool:
 
 
 def _memory_label(result: dict) -> str:
-    """The row of the memory a program must fit in: a TPU's HBM, or the share of a GPU's memory
-    JAX's allocator gives XLA."""
-    figures = result["chip_figures"]
+    """The row of the memory a program must fit in: a TPU's HBM, the share of a GPU's memory
+    JAX's allocator gives XLA, or another budget (a CPU's share of the RAM, train.memory_limit_gib)."""
+    figures, budget = result["chip_figures"] or {}, result.get("budget") or {}
+    if budget.get("bytes") and budget["bytes"] != figures.get("hbm"):
+        return f"memory a device may use ({budget['of']})"
     if not figures.get("memory"):
         return f"HBM of a {result['chip']}"
     share = figures["hbm"] / figures["memory"]
@@ -94,8 +97,28 @@ BOUND_NOTES = {
 }
 
 
+def budget_name(result: dict) -> str:
+    """What the memory a program is held to is: the report's budget, else the chip's."""
+    return (result.get("budget") or {}).get("of") or _memory_label(result)
+
+
+def verdict(result: dict) -> str:
+    """The report's last line: whether the train step fits the budget, by how much, and which."""
+    train = result["programs"]["train step"]
+    if "fits" not in train:
+        return ("Verdict: none, nothing is known of a device's memory here (train.memory_limit_gib sets the memory "
+                "all devices may use together).")
+    measure = "XLA's peak" if _total_from(result) == "peak" else "the sum of XLA's parts"
+    against = (f"the {size(train['hbm'])} a device may use ({budget_name(result)}), the budget the micro-batch "
+               "is chosen by (jaxgpt.micro_batch)")
+    if train["fits"]:
+        return f"Verdict: the train step fits, {size(train['total'])} per device ({measure}) of {against}."
+    return (f"Verdict: the train step does NOT fit, {size(train['total'])} per device ({measure}), "
+            f"{size(-train['margin'])} more than {against}.")
+
+
 def format_report(result: dict) -> str:
-    """The report as one plain-text table, per device, a column per program."""
+    """The report as one plain-text table, per device, a column per program, and its verdict."""
     header = ["per device", *result["programs"]]
     lines = [header, *_rows(result)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -109,4 +132,5 @@ def format_report(result: dict) -> str:
     text.append(MEMORY_NOTES[_total_from(result)])
     text.append(BOUND_NOTES[_counted(result)])
     text.extend(result.get("notes", ()))
+    text.append(verdict(result))
     return "\n".join(text)

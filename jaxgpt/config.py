@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import os
 import traceback
 import typing
@@ -263,17 +264,21 @@ class SampleConfig:
     model continuing `prompt` (jaxgpt.run.write_sample). Checked when the run starts, so a bad
     setting stops it before the first step, not after the last.
 
-    prompt: the text to continue, at least one character. max_new_tokens: how many tokens to
-    draw (0: no sample). temperature: τ ≥ 0 (0: greedy). top_k: keep the k likeliest (0: all).
+    prompt: the text to continue, at least one character. record: in a records run, a record (a
+    JSON object of fields) whose prompt, made by the run's own templates, the sample continues in
+    place of `prompt` (None: `prompt`). max_new_tokens: how many tokens to draw (0: no sample).
+    temperature: τ ≥ 0 (0: greedy). top_k: keep the k likeliest (0: all).
     """
 
     prompt: str = "\n"
+    record: str | None = None
     max_new_tokens: int = 200
     temperature: float = 0.8
     top_k: int = 40
 
     def __post_init__(self):
         checks = (("prompt", isinstance(self.prompt, str) and bool(self.prompt), "a non-empty string"),
+                  ("record", self.record is None or _json_object(self.record), "a JSON object of a record's fields"),
                   ("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "an integer ≥ 0"),
                   ("temperature", is_number(self.temperature) and 0 <= self.temperature < float("inf"),
                    "a finite number ≥ 0 (0: greedy)"),
@@ -285,6 +290,13 @@ class SampleConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SampleConfig:
         return checked_section(cls, values, "sample")
+
+
+def _json_object(text) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError):
+        return False
 
 
 def _section(cls, **overrides: Any) -> dict[str, Any]:

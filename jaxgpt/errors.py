@@ -96,21 +96,31 @@ def _from_orbax(record: logging.LogRecord) -> bool:
 class stderr_kept(contextlib.AbstractContextManager):
     """What this process (its C++ libraries too) writes to standard error inside the block,
     kept in a file instead of printed: text() reads it as one line, lines() line by line. Not
-    enabled: printed as usual."""
+    enabled: printed as usual. python=False: what Python code writes to sys.stderr (jaxgpt's
+    own lines, warnings) is printed as usual, and only what the libraries below it write is kept."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, python: bool = True):
         self._file = tempfile.TemporaryFile()
         self._saved = os.dup(2) if enabled else None
+        self._python = python
+        self._stderr = None  # sys.stderr while Python's writes go to the terminal
 
     def __enter__(self):
         if self._saved is not None:
             sys.stderr.flush()
+            if not self._python:
+                self._stderr = sys.stderr
+                sys.stderr = open(os.dup(self._saved), "w", buffering=1, encoding=self._stderr.encoding,  # noqa: SIM115
+                                  errors="backslashreplace")
             os.dup2(self._file.fileno(), 2)
         return self
 
     def __exit__(self, *exc):
         if self._saved is not None:
             sys.stderr.flush()
+            if self._stderr is not None:
+                sys.stderr.close()
+                sys.stderr, self._stderr = self._stderr, None
             os.dup2(self._saved, 2)
             os.close(self._saved)
         return False

@@ -3,8 +3,10 @@ records written to metrics.jsonl, TensorBoard and the progress bar.
 
     MFU = (FLOPs per token · tokens per second) / peak FLOP/s
 
-The peak is train.peak_flops when configured; on a CPU without one it is measured once per
-machine (the best of a few timings of a large matmul) and kept in the user's cache directory.
+The peak is train.peak_flops when configured; on a CPU without one it is measured when a run
+starts (the best of a few timings of a large matmul) and kept in the user's cache directory as
+the best measured on this machine so far, so that a busy moment never lowers it; the run's first
+line says which peak it is and where it is kept.
 """
 
 from __future__ import annotations
@@ -33,18 +35,25 @@ IN_FLIGHT = 4
 
 def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, seconds: float = 0.5, trials: int = 5) -> float:
     """FLOP/s of a large square matmul on the default device: the CPU's practical peak, the
-    best of `trials` timings (each `seconds`/`trials` long) so a busy moment does not lower it."""
+    best of `trials` timings (matmul_rate, each `seconds`/`trials` long), so that a moment
+    when other work took the cores does not lower it."""
     a = jax.device_put(np.ones((n, n), dtype))  # made on the host: no program of its own
-    matmul = jax.jit(lambda x, y: x @ y)
+    matmul = jax.jit(_matmul)
     matmul(a, a).block_until_ready()
-    best = 0.0
-    for _ in range(trials):
-        repeats, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / trials:
-            matmul(a, a).block_until_ready()
-            repeats += 1
-        best = max(best, 2 * n**3 * repeats / (time.perf_counter() - start))
-    return best
+    return max(matmul_rate(matmul, a, seconds / trials) for _ in range(trials))
+
+
+def _matmul(x, y):
+    return x @ y
+
+
+def matmul_rate(matmul, a, seconds: float) -> float:
+    """FLOP/s of `matmul`(a, a) on a square `a`, repeated for `seconds`."""
+    repeats, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        matmul(a, a).block_until_ready()
+        repeats += 1
+    return 2 * a.shape[0] ** 3 * repeats / (time.perf_counter() - start)
 
 
 def peak_cache_path(environ=os.environ) -> Path:
@@ -66,11 +75,11 @@ def machine_key(dtype=jnp.float32) -> str:
 
 
 def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32, at_least: float = 0.0) -> float:
-    """measure_matmul_peak once per machine: the value is kept in `path` (peak_cache_path())
-    under machine_key(dtype), and read from there by every later run. An unreadable file
-    is measured anew and rewritten. `at_least` > 0 (a throughput a run reached, above the
-    kept peak, which a busy machine measured too low) measures again and keeps the larger of
-    the kept value, the new measurement and `at_least`."""
+    """The best matmul peak measured on this machine: measure_matmul_peak now, against the one
+    kept in `path` (peak_cache_path()) under machine_key(dtype). The kept peak only rises: a
+    measurement below it (the machine was busy) leaves it, a higher one replaces it, and so
+    does `at_least` > 0 (a throughput a run reached: the peak is never below it). An unreadable
+    file is rewritten. Returns the kept peak."""
     path = Path(path or peak_cache_path())
     key = machine_key(dtype)
     try:
@@ -78,9 +87,10 @@ def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32, at_least: fl
         kept = peaks.get(key) if isinstance(peaks.get(key), (int, float)) and peaks[key] > 0 else None
     except (OSError, ValueError, AttributeError):  # none yet, or not JSON, or not an object
         peaks, kept = {}, None
-    if kept is not None and kept >= at_least:
+    best = max(measure_matmul_peak(dtype), kept or 0.0, at_least)
+    if best == kept:
         return float(kept)
-    peaks[key] = max(measure_matmul_peak(dtype), kept or 0.0, at_least)
+    peaks[key] = best
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -93,12 +103,29 @@ def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32, at_least: fl
 
 def peak_flops(configured: float | None, cache: Path | None = None) -> float | None:
     """The peak FLOP/s for MFU: train.peak_flops (per device; on a CPU, whose devices share its
-    cores, per host) times the devices or hosts; on a CPU with none configured, measured
-    once per machine (cached_matmul_peak, kept in `cache`)."""
-    on_cpu = jax.default_backend() == "cpu"
+    cores, per host) times the devices or hosts; on a CPU with none configured, the best
+    measured on this machine (cached_matmul_peak, kept in `cache`)."""
     if configured:
-        return float(configured) * (jax.process_count() if on_cpu else jax.device_count())
-    return cached_matmul_peak(cache) if on_cpu else None
+        return float(configured) * _peak_units()[0]
+    return cached_matmul_peak(cache) if jax.default_backend() == "cpu" else None
+
+
+def _peak_units() -> tuple[int, str]:
+    """(how many, what) train.peak_flops is given for: a CPU's hosts (its devices share the cores), else devices."""
+    if jax.default_backend() == "cpu":
+        return jax.process_count(), "host"
+    return jax.device_count(), "device"
+
+
+def peak_line(peak: float | None, configured: float | None, cache: Path | None = None) -> str:
+    """What the MFU is measured against (peak_flops(configured, cache) is `peak`), for a run's first line."""
+    if not peak:
+        return "MFU not reported (set train.peak_flops)"
+    if configured:
+        count, unit = _peak_units()
+        return f"MFU against a peak of {peak / 1e9:.0f} GFLOP/s (train.peak_flops={configured:g} a {unit} × {count})"
+    return (f"MFU against a peak of {peak / 1e9:.0f} GFLOP/s measured on this CPU (the best of its float32 matmuls so "
+            f"far, cached in {Path(cache or peak_cache_path())})")
 
 
 class Meter:
@@ -160,6 +187,7 @@ class Meter:
             "grad_norm": self.last["grad_norm"],
             "tokens_per_sec": tokens_per_sec,
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
+            "peak_flops": self.peak,
             "elapsed": self.fetched_at - self.run_start,
             "tokens_seen": self.tokens_before(step),
         }

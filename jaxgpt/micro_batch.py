@@ -6,15 +6,18 @@ opens, the rows each device takes at once are chosen from the device count and t
 one device, and the step is made of as many micro-batches as that leaves:
 
     W  the devices a batch's rows are split over (the mesh's data × fsdp)
-    r  rows per device: the largest divisor of R / W with  state + r · 1.02 · row ≤ memory  (at least 1)
+    r  rows per device: the largest divisor of R / W with
+         state + chunk(r · T) + r · margin · row ≤ memory   (at least 1)
     train.batch_size  B = r · W        train.grad_accum  k = R / B
 
 so the tokens per step are the preset's on any slice, and a slice with more memory per device
 runs fewer, larger micro-batches (fewer accumulation steps, each nearer the chip's best bound).
-`state` is the parameters' and the optimizer's (state_bytes, from their shapes), `row` an
-estimate (row_bytes, counted 2% larger: ROW_MARGIN), `memory` one device's (its bytes_limit; a
-TPU topology's chip HBM when compiling ahead; on a CPU 90% of the RAM shared by its devices;
-train.memory_limit_gib, over all devices, overrides).
+`state` is the parameters' and the optimizer's (state_bytes, from their shapes), chunk(n) the
+loss's chunk of logits at n tokens a device (chunk_bytes), `row` an estimate (row_bytes, counted
+`margin` = row_margin times: 1.02 on a TPU, more where XLA keeps more), and `memory` one
+device's budget (budget: train.memory_limit_gib over all devices; a compile target's memory
+when compiling ahead; a device's bytes_limit; on a CPU 90% of the RAM shared by its devices).
+jaxgpt.compile holds the compiled train step to the same budget.
 
 An explicit setting wins: train.batch_size and train.grad_accum both set make the step
 (rows_per_step is then unused, and said so); one of them set, the other follows from
@@ -24,6 +27,7 @@ greatest common divisor), so each step is a whole number of micro-batches.
 
     config = resolved(config, mesh, cfg, compute)   # when a run opens (jaxgpt.opening), the data read
     plan(train, ways, state, row, memory)           # the arithmetic alone
+    budget(devices, train)                          # the bytes a device may use, and what they are
     larger_note(result, grad_accum, block_size)     # jaxgpt.compile: a larger micro-batch would fit
 """
 
@@ -54,10 +58,25 @@ ROW_MARGIN = 1.02
 # a device asked XLA for 95.8 GiB where 64 took 27.1 (a deviceless compile said 48.7): a GPU's row is counted 2.2
 # times (docs/SCALE.md, "Measured on GPUs")
 ROW_MARGINS = {"gpu": 2.2}
+# XLA's CPU compiles (jaxlib 0.10.2) keep a row's activations in float32 whatever compute.dtype, and more of them. Per
+# row of a train step on one device ((XLA's sum at 8 or 4 rows − at 2 or 1) over the rows between), over row_bytes at
+# float32: GPT-2 small's shapes with the loss in chunks 1.72 (4 layers: 0.888 GiB in float32 and in bfloat16) and 1.71
+# (12 layers: 2.639 GiB); with the whole logits, which XLA keeps about 4 times, 1.84 (4 layers), 3.0 (6 layers of
+# d_model 384, 256 tokens, the logits most of a row), 2.43 (2 layers of d_model 64, 64 tokens, a vocabulary of 512) and
+# 1.94 (4 layers of 128, a vocabulary of 65). A CPU's row is counted at its float32 bytes times these, so that the
+# micro-batch chosen fits the compiled program: gpt2_124m on 2 CPU devices of 23.5 GiB took 8 rows a device at 1.02,
+# which compiled to 21.1 GiB a device against a budget of 10.6, and takes 2 at 1.85, which compile to 7.66.
+CPU_ROW_MARGINS = {"chunked": 1.85, "whole logits": 3.0}
 
 
-def row_margin(platform: str) -> float:
-    """How much larger than row_bytes a row is counted when the rows are chosen on `platform`."""
+def row_margin(platform: str, compute: ComputeConfig | None = None) -> float:
+    """How much larger than row_bytes (in `compute`'s dtype) a row is counted when the rows are
+    chosen on `platform`: a CPU's at its float32 bytes times CPU_ROW_MARGINS (the loss in chunks
+    or not: compute.loss_chunk)."""
+    if platform == "cpu":
+        chunked = compute is not None and compute.loss_chunk
+        itemsize = compute.compute_dtype.itemsize if compute else 4
+        return CPU_ROW_MARGINS["chunked" if chunked else "whole logits"] * 4 / itemsize
     return ROW_MARGINS.get(platform, ROW_MARGIN)
 
 
@@ -122,22 +141,29 @@ def row_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
     return cfg.block_size * (cfg.n_layer * (block_values(cfg) + weights) * size + logits)
 
 
-def chunk_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
-    """Bytes of one chunk's float32 logits and their gradient under compute.loss_chunk (0 without
-    it: the logits are then a row's, in row_bytes), whatever the micro-batch."""
-    return 2 * 4 * compute.loss_chunk * cfg.vocab_size
+def chunk_bytes(cfg: GPTConfig, compute: ComputeConfig, tokens: int) -> float:
+    """Bytes of one chunk's float32 logits and their gradient under compute.loss_chunk, for a
+    micro-batch of `tokens` tokens on a device: a chunk holds at most those (a chunk larger than
+    the micro-batch is one chunk of its tokens: chunked.as_chunks). 0 without loss_chunk: the
+    logits are then a row's, in row_bytes."""
+    return 2 * 4 * min(compute.loss_chunk, tokens) * cfg.vocab_size
 
 
 # --- the choice -------------------------------------------------------------------------------
 
 
+def _no_chunk(rows: int) -> float:
+    return 0.0
+
+
 def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, memory: float | None = None,
-         where: str = "", margin: float = ROW_MARGIN) -> Plan:
+         where: str = "", margin: float = ROW_MARGIN, chunk=_no_chunk) -> Plan:
     """The micro-batch of `train` on a mesh whose data × fsdp is `ways`: its own batch_size
     and grad_accum, or those rows_per_step leaves (the module's docstring says how), with
     `state` and `row` the bytes per device of the state and of one row (state_bytes,
-    row_bytes) against `memory` bytes per device (`where`: what that memory is, for the line
-    that says so). ConfigError, in one line, for rows_per_step that the devices do not divide."""
+    row_bytes) and chunk(r) those of the loss's chunk at r rows a device (chunk_bytes)
+    against `memory` bytes per device (`where`: what that memory is, for the line that
+    says so). ConfigError, in one line, for rows_per_step that the devices do not divide."""
     rows, batch, accum = train.rows_per_step, train.batch_size, train.grad_accum  # checked by TrainConfig
     if batch and accum:
         unused = None if not rows or batch * accum == rows else (
@@ -152,25 +178,29 @@ def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, me
         raise ConfigError(f"train.rows_per_step={rows}{scheduled} must be divisible by the {ways} devices its rows are "
                           f"split over (the mesh's data × fsdp): choose a multiple of {ways}, or set train.batch_size "
                           "and train.grad_accum")
-    per_device = rows_per_device(common // ways, state, row, memory, margin)
+    per_device = rows_per_device(common // ways, state, row, memory, margin, chunk)
     batch = per_device * ways
     why = (f"train.batch_size={batch} ({per_device} rows on each of {ways} devices) × train.grad_accum="
            f"{rows // batch} = train.rows_per_step={rows}: ")
     if memory is None:
         why += "one micro-batch (no memory to fit)"
     else:
-        why += (f"the most rows per device that fit {_gib(memory)} GiB a device{where}, at about {_gib(state)} GiB "
-                f"for the parameters, gradients and optimizer state and {_gib(row)} GiB a row")
+        loss = f", {_gib(chunk(per_device))} GiB for the loss's chunk" if chunk(per_device) else ""
+        why += (f"the most rows per device that fit {_gib(memory)} GiB a device{f' ({where})' if where else ''}, at "
+                f"about {_gib(state)} GiB for the parameters, gradients and optimizer state{loss} and {_gib(row)} GiB "
+                f"a row (counted {margin:g} times)")
     return Plan(batch, rows // batch, why + "; set train.batch_size or train.grad_accum to choose")
 
 
-def rows_per_device(rows: int, state: float, row: float, memory: float | None, margin: float = ROW_MARGIN) -> int:
-    """The largest divisor r of `rows` (a device's rows of one step) with state + r · margin ·
-    row ≤ memory (margin: row_margin of the platform); 1 when none fits (the run's memory check,
-    or the compile, says so), all of them when the memory is unknown."""
+def rows_per_device(rows: int, state: float, row: float, memory: float | None, margin: float = ROW_MARGIN,
+                    chunk=_no_chunk) -> int:
+    """The largest divisor r of `rows` (a device's rows of one step) with state + chunk(r) +
+    r · margin · row ≤ memory (margin: row_margin of the platform; chunk(r): the loss's chunk at
+    r rows); 1 when none fits (the run's memory check, or the compile, says so), all of them
+    when the memory is unknown."""
     if memory is None:
         return rows
-    fitting = [r for r in range(1, rows + 1) if rows % r == 0 and state + r * margin * row <= memory]
+    fitting = [r for r in range(1, rows + 1) if rows % r == 0 and state + chunk(r) + r * margin * row <= memory]
     return max(fitting, default=1)
 
 
@@ -185,9 +215,9 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
              say: bool = True) -> ConfigDict:
     """`config` with train.batch_size and train.grad_accum as a run of the model `cfg` (its
     vocabulary known) on `mesh` takes them (plan), in the kernel and dtypes of `compute` (as
-    resolved for the platform). `memory`: bytes per device (a TPU topology's chip when compiling
-    ahead; None, or with train.memory_limit_gib set: device_memory). The config is returned as
-    it was when nothing is chosen; a choice is said on standard error (`say`)."""
+    resolved for the platform). `memory`: a compile target's bytes per device (a TPU's HBM, a
+    GPU's share for XLA: budget). The config is returned as it was when nothing is chosen; a
+    choice is said on standard error (`say`)."""
     train = TrainConfig.from_mapping(config.train)
     if not train.rows_per_step:
         return config
@@ -195,12 +225,7 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
     if train.batch_size or train.grad_accum:  # set: nothing to fit
         choice = plan(train, ways)
     else:
-        where = ""
-        if memory is None or train.memory_limit_gib:
-            memory, where = device_memory(list(mesh.devices.flat), train)
-        state = state_bytes(cfg, compute, train, mesh) + chunk_bytes(cfg, compute)
-        platform = mesh.devices.flat[0].platform
-        choice = plan(train, ways, state, row_bytes(cfg, compute), memory, where, row_margin(platform))
+        choice = fitted_plan(train, ways, cfg, compute, list(mesh.devices.flat), mesh, memory)
     if choice.why and say:
         print(f"jaxgpt: {choice.why}", file=sys.stderr)
     if (choice.batch_size, choice.grad_accum) == (train.batch_size, train.grad_accum):
@@ -210,21 +235,35 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
     return config
 
 
-def device_memory(devices, train: TrainConfig) -> tuple[float | None, str]:
-    """(bytes one device may use, what they are, as ' (…)' for a message): train.memory_limit_gib
-    shared by the devices; else the smallest bytes_limit the devices report (a GPU's, a TPU's);
-    else on a CPU 90% of the RAM shared by its devices; else (None, ''). Only this process's
-    devices are asked (another host's report nothing here)."""
+def fitted_plan(train: TrainConfig, ways: int, cfg: GPTConfig, compute: ComputeConfig, devices, mesh=None,
+                memory: float | None = None) -> Plan:
+    """plan for rows_per_step on `devices` (`ways` of them split the rows; `mesh`: the state's
+    layout, None: whole on each), against their budget (`memory`: a compile target's), with the
+    state, a row and the loss's chunk as estimated here, each row at the platform's margin."""
+    memory, where = budget(devices, train, memory)
+    return plan(train, ways, state_bytes(cfg, compute, train, mesh), row_bytes(cfg, compute), memory, where,
+                row_margin(devices[0].platform, compute), lambda r: chunk_bytes(cfg, compute, r * cfg.block_size))
+
+
+def budget(devices, train: TrainConfig, target: float | None = None) -> tuple[float | None, str]:
+    """(bytes one device may use, what they are): what the micro-batch is chosen to fit, and what
+    jaxgpt.compile holds the compiled train step to. train.memory_limit_gib shared by the devices;
+    else `target`, a compile target's memory (a TPU's HBM, a GPU's share for XLA); else the
+    smallest bytes_limit the devices report (a GPU's, a TPU's); else on a CPU 90% of the RAM
+    shared by its devices; else (None, ''). Only this process's devices are asked (another
+    host's report nothing here)."""
     n = len(devices)
     if train.memory_limit_gib:
         limit = train.memory_limit_gib
-        return limit * GiB / n, f" (train.memory_limit_gib={limit:g} over {n} devices)"
+        return limit * GiB / n, f"train.memory_limit_gib={limit:g} over {n} devices"
+    if target:
+        return target, f"the memory for XLA of one {devices[0].device_kind}"
     limits = [_bytes_limit(device) for device in devices if device.process_index == jax.process_index()]
     if limits and all(limits):
-        return min(limits), f" (the memory a {devices[0].device_kind} reports)"
+        return min(limits), f"the memory one {devices[0].device_kind} reports"
     if devices[0].platform == "cpu":
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return 0.9 * ram / n, f" (90% of the RAM over {n} CPU devices)"
+        return 0.9 * ram / n, f"90% of the RAM over {n} CPU devices"
     return None, ""
 
 
@@ -241,18 +280,21 @@ def larger_note(result: dict, grad_accum: int, block_size: int) -> str | None:
     of `block_size` tokens a row): from the train step's memory per device M at r rows per
     device and its state S (the parameters and optimizer state as laid out, and twice the
     parameters' bytes for the gradients), (M − S)/r a row, for m·r rows with m the largest
-    power of two dividing grad_accum where S + m·(M − S)·g ≤ the chip's HBM, g the row_margin
-    of the result's platform (a TPU where it names none) over ROW_MARGIN: 1 on a TPU; on a GPU
-    2.2/1.02, as a GPU's own compile of 128 rows of GPT-2 small asked for 1.97× what a
-    deviceless one said. None when none would, or nothing is known of the chip's memory."""
-    train, hbm = result["programs"]["train step"], (result.get("chip_figures") or {}).get("hbm")
+    power of two dividing grad_accum where S + m·(M − S)·g ≤ the budget (the report's, else the
+    chip's HBM), g what a compile for the result's platform (a TPU where it names none) leaves
+    out: 1 where it compiles for the devices themselves; on a GPU 2.2/1.02, as a GPU's own compile
+    of 128 rows of GPT-2 small asked for 1.97× what a deviceless one said. None when none would,
+    or nothing is known of the memory."""
+    train = result["programs"]["train step"]
+    hbm = (result.get("budget") or {}).get("bytes") or (result.get("chip_figures") or {}).get("hbm")
     ways = result["mesh"]["data"] * result["mesh"]["fsdp"]
     batch = train["tokens"] // (grad_accum * block_size)
     if not hbm or grad_accum < 2:
         return None
     rows = batch // ways
     state = train["parameters"] + train["optimizer_state"] + 2 * train["parameters"]
-    per_row = max(train["total"] - state, 0) / rows * row_margin(result.get("platform", "tpu")) / ROW_MARGIN
+    left_out = ROW_MARGINS.get(result.get("platform", "tpu"), ROW_MARGIN) / ROW_MARGIN
+    per_row = max(train["total"] - state, 0) / rows * left_out
     fits = [m for m in (2**i for i in range(1, grad_accum.bit_length()))
             if grad_accum % m == 0 and state + m * rows * per_row <= hbm]
     if not fits:

@@ -19,7 +19,9 @@ live in jaxgpt.preflight; reading run directories and init_from's sources in jax
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -31,10 +33,10 @@ from ml_collections import ConfigDict
 
 from jaxgpt import data, micro_batch, rundir
 from jaxgpt.blocks import layers_as
-from jaxgpt.checkpoint import Checkpoints
+from jaxgpt.checkpoint import CHECKPOINT_DIR, Checkpoints
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
-from jaxgpt.lock import LockHeld, RunLock
+from jaxgpt.lock import LOCK_FILE, LockHeld, RunLock
 from jaxgpt.model import GPT, param_layout
 from jaxgpt.model_config import check_kernel
 from jaxgpt.optim import make_optimizer
@@ -58,6 +60,8 @@ class Run:
     mesh: Mesh
     lock: RunLock
     layouts: dict[str, data.Layout] | None = None  # a records corpus's rows of examples, per split
+    before: frozenset[str] | None = frozenset()  # the directory's entries before the run (None: it did not exist)
+    stepped: bool = False  # a step has run: the directory holds the run, whatever stops it
     saved_compute: ComputeConfig | None = None  # how the checkpoints were written, when resuming
 
     @property
@@ -77,6 +81,7 @@ def open_run(config, explicit: Collection[str] = ()) -> Run:
     which init_from may not replace. The caller releases the lock when the run ends (run.train);
     a step that fails releases it here."""
     train_cfg = TrainConfig.from_mapping(config.train)
+    before = entries(Path(config.run_dir))
     directory = make_run_dir(config.run_dir)  # the directory, locked
     lock = lock_run(directory)
     try:
@@ -94,9 +99,10 @@ def open_run(config, explicit: Collection[str] = ()) -> Run:
         if jax.process_index() == 0:  # the record
             write_record(directory, resolved, corpus.tokenizer, checkpoints, train_cfg, resuming)
         return Run(ConfigDict(resolved), train_cfg, cfg, compute, directory, corpus, checkpoints, resuming, mesh, lock,
-                   row_layouts(config, corpus, cfg.block_size), saved)
+                   row_layouts(config, corpus, cfg.block_size), saved, before)
     except BaseException:
         lock.release()
+        leave_nothing(directory, before)
         raise
 
 
@@ -114,6 +120,26 @@ def make_run_dir(run_dir: str) -> Path:
         raise ConfigError(f"cannot make run_dir={run_dir!r} ({error.strerror}): choose another --config.run_dir") \
             from None
     return directory
+
+
+def entries(directory: Path) -> frozenset[str] | None:
+    """The names in `directory`, None when it does not exist."""
+    return frozenset(p.name for p in directory.iterdir()) if directory.is_dir() else None
+
+
+def leave_nothing(directory: Path, before: frozenset[str] | None) -> None:
+    """After a run refused before its first step, the directory as it was (by the lead process): gone
+    when the run made it or found it empty; else without the lock and the empty checkpoints/ the run
+    added (a resume's files are never touched)."""
+    if jax.process_index() != 0:
+        return
+    if not before:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for added in {LOCK_FILE, CHECKPOINT_DIR} - before:
+        path = directory / added
+        with contextlib.suppress(OSError):
+            path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def lock_run(directory: Path) -> RunLock:

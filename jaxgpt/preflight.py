@@ -133,7 +133,8 @@ def check_memory(cfg: GPTConfig, compute: ComputeConfig, train_cfg: TrainConfig)
     CPU 90% of the RAM (train.memory_limit_gib overrides either). An estimate, to stop the
     impossible early; the estimate the micro-batch is chosen by, so a chosen one passes."""
     count = param_count(cfg)
-    need = (micro_batch.state_bytes(cfg, compute, train_cfg) + micro_batch.chunk_bytes(cfg, compute)
+    need = (micro_batch.state_bytes(cfg, compute, train_cfg)
+            + micro_batch.chunk_bytes(cfg, compute, train_cfg.batch_size * cfg.block_size)
             + train_cfg.batch_size * micro_batch.row_bytes(cfg, compute))
     limit, where = _memory_limit(train_cfg)
     if limit and need > limit:

@@ -16,6 +16,7 @@ It alone is enough to resume (train.py with the same --config.run_dir) or to sam
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import sys
@@ -31,11 +32,12 @@ from jax.sharding import Mesh
 
 from jaxgpt import batch_schedule, data, metrics, sharding
 from jaxgpt.checkpoint import NonFiniteState, first_non_finite, tree_checksums
+from jaxgpt.completions import RUN_TEMPLATE, record_prompt, templates_named
 from jaxgpt.config import SampleConfig, TrainConfig
 from jaxgpt.errors import TrainingError, one_line
 from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.model import GPT, flops_per_token, param_layout
-from jaxgpt.opening import Run, compute_config, init_or_restore, model_config, open_run
+from jaxgpt.opening import Run, compute_config, init_or_restore, leave_nothing, model_config, open_run
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
 from jaxgpt.sampling import SamplingOptions, generate
@@ -152,12 +154,17 @@ def train(config, explicit: Collection[str] = ()) -> dict:
     next safe point with the last checkpoint written; a second signal stops at once."""
     with StopRequested() as stop:
         run = open_run(config, explicit)
+        failed = True
         try:
             with jax.set_mesh(run.mesh):  # every program traced here lays its activations out by the mesh (axes)
-                return _train(run, stop)
+                result = _train(run, stop)
+            failed = False
+            return result
         finally:
             run.checkpoints.close()
             run.lock.release()
+            if failed and not run.stepped:  # a run refused before its first step leaves nothing behind
+                leave_nothing(run.directory, run.before)
 
 
 def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, Any]]:
@@ -207,7 +214,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
             for _, batch in batches:
                 state, step_metrics = train_steps[batch[0].shape[0]](state, batch, tc.seed)
                 run.checkpoints.check_saves()
-                step += 1
+                step, run.stepped = step + 1, True
                 meter.add(step, step_metrics)
                 if deferred:  # the last log step's record, read while this step runs
                     log.write(_fetched_record(run, meter, deferred, state), progress=True)
@@ -296,7 +303,7 @@ def _last_good(run: Run) -> str:
 
 def _announcement(run: Run, start_step: int, tokens_per_step: int, peak: float | None) -> str:
     cfg = run.model
-    mfu = f"MFU against a peak of {peak / 1e9:.0f} GFLOP/s" if peak else "MFU not reported (set train.peak_flops)"
+    mfu = metrics.peak_line(peak, run.train.peak_flops)
     scheduled = f" (before that, train.batch_schedule's rows {list(run.train.batch_schedule)})" \
         if run.train.batch_schedule else ""
     return (f"jaxgpt: {cfg.n_layer} layers, d_model {cfg.d_model}, {jax.device_count()} {jax.default_backend()} "
@@ -328,20 +335,29 @@ def _stopped_line(run: Run, interrupted: str, step: int) -> str:
 # --- the end --------------------------------------------------------------------------------
 
 
+def sample_prompt(config, tokenizer) -> tuple[str, list[int]]:
+    """(the text the final sample starts with, its ids): sample.prompt; in a records run with
+    sample.record, that record's prompt as the run's own templates made its examples' prompts."""
+    if config.data.format == "records" and config.sample.record is not None:
+        return record_prompt(templates_named(RUN_TEMPLATE, config.data.to_dict()), json.loads(config.sample.record),
+                             tokenizer)
+    return config.sample.prompt, encode_prompt(tokenizer, config.sample.prompt)
+
+
 def write_sample(config) -> str | None:
-    """The sample a finished run ends with (train.py): its best model continuing
-    config.sample.prompt, written to sample.txt and returned. A prompt the run's tokenizer
-    cannot encode (known only once the data is read) is a warning, and the model starts a
-    document instead, as after each <|eos|> of its corpus (no sample, None, for a tokenizer
-    without <|eos|>)."""
+    """The sample a finished run ends with (train.py): its best model continuing its prompt
+    (sample_prompt), written to sample.txt and returned. A prompt the run's tokenizer cannot
+    encode or its templates cannot make (known only once the data is read) is a warning, and the
+    model starts a document instead, as after each <|eos|> of its corpus (no sample, None, for a
+    tokenizer without <|eos|>)."""
     params, cfg, tokenizer = load_run(config.run_dir)
-    options, prompt = SampleConfig.from_mapping(config.sample), config.sample.prompt
+    options = SampleConfig.from_mapping(config.sample)
     try:
-        ids = encode_prompt(tokenizer, prompt)
+        prompt, ids = sample_prompt(config, tokenizer)
     except ValueError as error:
         instead = "the sample starts a new document (after <|eos|>) instead" if tokenizer.eos_id is not None \
             else "no sample"
-        warnings.warn(f"sample.prompt cannot be encoded ({one_line(error)}): {instead}", stacklevel=2)
+        warnings.warn(f"the sample's prompt cannot be made ({one_line(error)}): {instead}", stacklevel=2)
         if tokenizer.eos_id is None:
             return None
         ids, prompt = [tokenizer.eos_id], ""

@@ -1,6 +1,7 @@
 """jaxgpt.compile: the train step, eval step and generate compiled ahead of time, their figures
-per device, and its one-line errors. Always: 8 CPU devices in a subprocess. With libtpu: TPU
-topologies, one host and several, compiled from this one process."""
+per device, its verdict and its one-line errors. Always: 8 CPU devices in a subprocess, and
+train.py's compile_only on the machine's own. With libtpu: TPU topologies, one host and several,
+compiled from this one process."""
 
 import json
 import math
@@ -8,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 from processes import ROOT, finished, with_devices
 
@@ -197,9 +199,66 @@ def test_mesh_that_does_not_divide_the_devices():
     assert code == 2 and "does not fit 8 devices" in err and len(err.splitlines()) == 1
 
 
-def test_vocab_size_must_be_given():
-    code, err = run_main("--config.model.vocab_size=0")
+def test_vocab_size_must_be_given(tmp_path):
+    # a cache of its own: the default config's tokenizer, made by any earlier run on this machine, would fix the size
+    code, err = run_main("--config.model.vocab_size=0", f"--config.data.cache_dir={tmp_path}")
     assert code == 2 and "model.vocab_size" in err and len(err.splitlines()) == 1
+
+
+PLANNED = [*TINY[:6], "--config.train.rows_per_step=32", "--config.train.batch_size=0", "--config.train.grad_accum=0",
+           "--config.train.eval_batch_size=16", "--config.sample.max_new_tokens=4"]
+
+
+@pytest.mark.parametrize("limit_gib", [None, 0.001], ids=["ram", "memory_limit"])
+def test_compile_only_ends_with_a_verdict_against_the_budget_its_micro_batch_was_chosen_by(tmp_path, limit_gib):
+    """train.py --config.compile_only=True on the machine's own CPU devices said what must fit but
+    gave no verdict, and its planner's budget was not in the report. The report's last line is the
+    verdict, against the budget micro_batch.budget gives these devices (the RAM's share, or
+    train.memory_limit_gib's), which the planner's line names too; what does not fit exits 2."""
+    from test_user_commands import run
+
+    from jaxgpt.compile_table import size
+    from jaxgpt.config import TrainConfig
+    from jaxgpt.micro_batch import budget
+
+    limit = [f"--config.train.memory_limit_gib={limit_gib}"] if limit_gib else []
+    done = run(["python", "train.py", "--config.compile_only=True", *PLANNED, *limit], tmp_path)
+    devices = int(done.stdout.split(" local cpu device(s)")[0])
+    train = TrainConfig(rows_per_step=32, batch_size=0, grad_accum=0, memory_limit_gib=limit_gib)
+    memory, of = budget(jax.devices("cpu")[:1] * devices, train)  # the planner's, for as many CPU devices
+    planner = next(line for line in done.stderr.splitlines() if "train.rows_per_step=32:" in line)
+    assert planner.startswith("jaxgpt: ") and f" GiB a device ({of})," in planner
+    assert f"fit {memory / 2**30:.2f} GiB" in planner or f"fit {memory / 2**30:.1f} GiB" in planner
+    verdict = done.stdout.strip().splitlines()[-1]
+    against = f"the {size(memory)} a device may use ({of}), the budget the micro-batch is chosen by"
+    if limit_gib is None:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert verdict.startswith("Verdict: the train step fits, ") and against in verdict, verdict
+    else:
+        assert done.returncode == 2 and verdict.startswith("Verdict: the train step does NOT fit, "), verdict
+        assert against in verdict and f"more than the {size(memory)} of {of}:" in done.stderr
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_the_micro_batch_the_planner_chooses_compiles_to_a_step_that_fits_its_budget(rows, capsys):
+    """The planner and the compile agree: with room by the planner's estimates for `rows` rows of 64
+    (train.memory_limit_gib), it takes them, and the compiled train step, by XLA's measure of what
+    must fit on a CPU (the sum of its parts), fits that same budget."""
+    from jaxgpt import micro_batch, opening
+    from jaxgpt.cli import parse_config
+    from jaxgpt.config import TrainConfig
+
+    config = parse_config(["compile", *PLANNED, "--config.model.vocab_size=512", "--config.train.rows_per_step=64",
+                           "--config.mesh.cpu_devices=1"], ahead.DEFAULT_CONFIG)
+    cfg, compute = ahead.model_of(config), opening.compute_config(config, "cpu")
+    state = micro_batch.state_bytes(cfg, compute, TrainConfig.from_mapping(config.train))
+    row = micro_batch.row_bytes(cfg, compute) * micro_batch.row_margin("cpu", compute)
+    config.train.memory_limit_gib = (state + (rows + 0.5) * row) / 2**30
+    report = ahead.report(config, jax.devices()[:1])
+    train = report["programs"]["train step"]
+    assert train["tokens"] == 64 * 64 and report["budget"]["bytes"] == config.train.memory_limit_gib * 2**30
+    assert f"jaxgpt: train.batch_size={rows} ({rows} rows on each of 1 devices)" in capsys.readouterr().err
+    assert ahead.print_and_check(report) == 0 and train["fits"] and train["total"] <= report["budget"]["bytes"]
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

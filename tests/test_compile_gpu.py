@@ -116,8 +116,10 @@ def test_a_gpu_programs_bound_is_the_models_flops_at_the_peak(memory, fits):
     table = format_report(result)
     assert f"memory for XLA ({memory / (100 * 2**30):.0%} of a h100's 100.000 GiB)" in table
     assert "time ≥ model's FLOPs / peak (s)" in table and "8,000,000" in table and "MFU ≤" not in table
-    assert "from the model's FLOP count" in table and "not XLA's" in table and table.endswith("cuDNN kernel")
-    assert ("yes," if fits else "NO,") in table
+    assert "from the model's FLOP count" in table and "not XLA's" in table
+    *_, note, verdict = table.splitlines()  # the notes, then the verdict
+    assert note.endswith("cuDNN kernel") and ("yes," if fits else "NO,") in table
+    assert verdict.startswith("Verdict: the train step fits," if fits else "Verdict: the train step does NOT fit,")
 
 
 def test_without_the_extra_the_message_is_its_install_line(monkeypatch):
@@ -173,6 +175,24 @@ def test_compiles_for_eight_h100s_without_a_gpu(tmp_path):
     per_token = 6 * n + 12 * 1 * 64 * 64
     assert train["tokens_per_second_bound"] == pytest.approx(8 * 989.4e12 / per_token, rel=5e-3)
     assert train["tokens"] == 16 * 64 and "mfu_bound" not in train
+
+
+@needs_extra
+def test_the_micro_batch_planners_line_is_jaxgpts_not_xlas(tmp_path):
+    """The planner's line, written while the GPU compiler's standard error becomes the report's
+    'XLA: …' notes, was printed as 'XLA: jaxgpt: train.batch_size=…': it is jaxgpt's own line,
+    on standard error as on any other target, and no note from XLA carries jaxgpt's words."""
+    from test_user_commands import run
+
+    planned = [arg for arg in TINY if not arg.startswith(("--config.train.batch_size", "--config.train.grad_accum"))]
+    done = run(["python", "-m", "jaxgpt.compile", "--topology=h100:1", *planned, "--config.train.rows_per_step=32",
+                "--config.train.batch_size=0", "--config.train.grad_accum=0"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (done.stdout + done.stderr).splitlines()
+    planner = [line for line in lines if "train.rows_per_step=32:" in line]
+    assert len(planner) == 1 and planner[0].startswith("jaxgpt: train.batch_size=32 (32 rows on each of 1 devices)")
+    assert planner[0] in done.stderr.splitlines()
+    assert not [line for line in lines if line.startswith("XLA:") and "jaxgpt" in line]
 
 
 @needs_extra

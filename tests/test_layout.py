@@ -38,8 +38,10 @@ LAYERS = (
     # likelihood: scores of continuations and texts; micro_batch: the rows per device a step takes
     ("evaluation", "sampling", "beam", "rundir", "likelihood", "micro_batch"),
     ("text", "preflight"),  # preflight: what a run is checked against before its first step
-    ("opening",),  # a run opened in order: the directory, the config, its checks, the mesh, the data, the state
-    ("run", "completions", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
+    # opening: a run opened in order (the directory, the config, its checks, the mesh, the data, the state);
+    # completions: records' prompts answered and scored, the final sample of a records run
+    ("opening", "completions"),
+    ("run", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
     # jaxgpt.compile's command line, its report's table, GPUs, what XLA's counts of loops leave out
     ("compile_args", "compile_table", "compile_gpu", "compile_counts"),
     ("viz", "compile"),  # compile: the programs of run, compiled ahead of time

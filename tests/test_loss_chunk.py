@@ -178,6 +178,61 @@ def test_the_compiled_loss_and_gradient_never_hold_the_whole_logits():
     assert largest(16) < whole_logits // 4
 
 
+def test_a_chunk_larger_than_the_batch_is_the_whole_logits_in_one_chunk():
+    """loss_chunk = 1000 over a batch of 48 tokens: the loss, its gradients and the eval step's
+    sums are the whole logits' (a float compare), and the compiled program holds the 48 tokens'
+    logits once, never a 1000-token chunk padded from them."""
+    cfg = tiny(**VARIANTS["untied, bias, soft cap"])
+    params, (inputs, targets, mask) = params_of(cfg), batch()
+    whole, one_chunk = GPT(cfg), GPT(cfg, ComputeConfig(loss_chunk=1000))
+
+    def value_and_grad(model):
+        return jax.jit(jax.value_and_grad(lambda p: loss_fn(model, p, inputs, targets, mask)))
+
+    (loss, grads), (chunked_loss, chunked_grads) = (value_and_grad(m)(params) for m in (whole, one_chunk))
+    assert abs(float(loss) - float(chunked_loss)) < 1e-6 and max_difference(grads, chunked_grads) < 1e-6
+    sums = [make_eval_step(model)(params, inputs, targets, mask) for model in (whole, one_chunk)]
+    assert max_difference(*sums) < 1e-4
+    hlo = value_and_grad(one_chunk).lower(params).compile().as_text()
+    assert largest_float_array(hlo) < 1000 * V and f"f32[{B * T},{V}]" in hlo
+
+
+def test_the_estimate_and_the_checks_take_a_chunk_larger_than_the_batch_as_one_chunk_of_it():
+    """A chunk of 10⁹ tokens was estimated as 10⁹ tokens' logits ("the run needs about 514 GiB")
+    and refused: a micro-batch of N tokens holds at most N tokens' logits, so the memory check
+    passes it and the micro-batch planner chooses as for a chunk of N."""
+    from jaxgpt import micro_batch, preflight
+    from jaxgpt.config import TrainConfig
+
+    cfg, huge = tiny(), ComputeConfig(loss_chunk=10**9)
+    train = TrainConfig(batch_size=B, grad_accum=1)
+    assert micro_batch.chunk_bytes(cfg, huge, B * T) == micro_batch.chunk_bytes(cfg, huge.replace(loss_chunk=B * T),
+                                                                                 B * T) == 8 * B * T * V
+    preflight.check_memory(cfg, huge, train)  # no ConfigError
+    rows = TrainConfig(rows_per_step=8, batch_size=0, grad_accum=0, memory_limit_gib=1.0)
+    devices = jax.devices()[:1]
+    assert micro_batch.fitted_plan(rows, 1, cfg, huge, devices) == micro_batch.fitted_plan(
+        rows, 1, cfg, huge.replace(loss_chunk=8 * T), devices)
+    assert micro_batch.fitted_plan(rows, 1, cfg, huge, devices).batch_size == 8
+
+
+def test_a_run_with_a_chunk_larger_than_its_batch_trains_as_the_whole_logits(tmp_path):
+    """train.py with compute.loss_chunk=10⁹ on the machine's own devices: not refused, and its
+    losses are those of the same run with the whole logits."""
+    from runs import cli_args, write_corpus
+    from test_user_commands import run
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    losses = []
+    for chunk in (10**9, 0):
+        args = cli_args(tmp_path, corpus, run=f"chunk_{chunk}", **{"train.steps": 2, "compute.loss_chunk": chunk})
+        done = run(["python", "train.py", *args], tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = (tmp_path / f"chunk_{chunk}" / "metrics.jsonl").read_text().splitlines()
+        losses.append([json.loads(line)["train_loss"] for line in records])
+    assert len(losses[0]) == 2 and np.allclose(losses[0], losses[1], rtol=0, atol=1e-5), losses
+
+
 # --- sharded, and bad input -------------------------------------------------------------------------
 
 

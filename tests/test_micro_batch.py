@@ -37,10 +37,12 @@ def test_the_estimates_are_the_docstrings_formulas():
     explicit = FLASH.replace(kernel="explicit")
     assert row_bytes(GPT2, explicit) == ROW + 1024 * 12 * 2 * 12 * 1024 * 2
     assert row_bytes(GPT2, explicit.replace(remat=True)) == ROW
-    # compute.loss_chunk: no row holds its 1024 × 50304 float32 logits, one chunk's (and their gradient) at a time
+    # compute.loss_chunk: no row holds its 1024 × 50304 float32 logits, one chunk's (and their gradient) at a time,
+    # and a chunk larger than the micro-batch's tokens is one chunk of them
     chunked = FLASH.replace(loss_chunk=2048)
-    assert row_bytes(GPT2, chunked) == ROW - 1024 * 4 * 50304 and chunk_bytes(GPT2, chunked) == 2 * 4 * 2048 * 50304
-    assert chunk_bytes(GPT2, FLASH) == 0
+    assert row_bytes(GPT2, chunked) == ROW - 1024 * 4 * 50304
+    assert chunk_bytes(GPT2, chunked, 4096) == 2 * 4 * 2048 * 50304
+    assert chunk_bytes(GPT2, chunked, 1024) == 2 * 4 * 1024 * 50304 and chunk_bytes(GPT2, FLASH, 4096) == 0
 
 
 @pytest.mark.parametrize(("rows", "ways", "memory", "expected"), [
@@ -134,15 +136,17 @@ def test_rows_the_mesh_cannot_split_are_refused_before_the_data_is_read():
 
 
 def test_the_preset_takes_the_micro_batch_that_fits(capsys):
-    """configs/gpt2_124m.py on this process's one CPU device with 8 GiB: the explicit kernel's
-    weights counted, ROW + 12 layers × 2·12·1024 bf16 values a token = 1,036,517,376 B a row;
-    (8 GiB − STATE)/(1.02 · that) = 5.8, and of 512's divisors 4 fits: 4 rows in 128 micro-batches."""
+    """configs/gpt2_124m.py on this process's one CPU device with 32 GiB: the explicit kernel's
+    weights counted, ROW + 12 layers × 2·12·1024 bf16 values a token = 1,036,517,376 B a row,
+    which a CPU with the whole logits counts at 3 times its float32 bytes, 6 times bfloat16's
+    (row_margin); (32 GiB − STATE)/(6 · that) = 5.1, and of 512's divisors 4 fits: 4 rows in 128
+    micro-batches."""
     from jaxgpt import sharding
     from jaxgpt.micro_batch import resolved
     from jaxgpt.opening import compute_config, model_config
 
     config = load_config(CONFIGS / "gpt2_124m.py")
-    config.train.memory_limit_gib = 8.0
+    config.train.memory_limit_gib = 32.0
     config.compute.loss_chunk = 0  # the whole logits: a row's float32 logits counted in it
     mesh, cfg, compute = sharding.make_mesh(config.mesh), model_config(config, 1), compute_config(config, "cpu")
     chosen = resolved(config, mesh, cfg, compute)
@@ -150,9 +154,10 @@ def test_the_preset_takes_the_micro_batch_that_fits(capsys):
     assert (config.train.batch_size, config.train.grad_accum) == (0, 0)  # the caller's config is left as it was
     err = capsys.readouterr().err
     assert err == ("jaxgpt: train.batch_size=4 (4 rows on each of 1 devices) × train.grad_accum=128 = "
-                   "train.rows_per_step=512: the most rows per device that fit 8.00 GiB a device "
-                   "(train.memory_limit_gib=8 over 1 devices), at about 2.32 GiB for the parameters, gradients and "
-                   "optimizer state and 0.97 GiB a row; set train.batch_size or train.grad_accum to choose\n")
+                   "train.rows_per_step=512: the most rows per device that fit 32.0 GiB a device "
+                   "(train.memory_limit_gib=32 over 1 devices), at about 2.32 GiB for the parameters, gradients and "
+                   "optimizer state and 0.97 GiB a row (counted 6 times); set train.batch_size or "
+                   "train.grad_accum to choose\n")
     config.train.batch_size = 64  # explicit: the accumulation follows, nothing said
     chosen = resolved(config, mesh, cfg, compute)
     assert (chosen.train.batch_size, chosen.train.grad_accum) == (64, 8) and capsys.readouterr().err == ""
@@ -166,9 +171,9 @@ def test_a_gpu_counts_a_row_at_its_margin_so_gpt2_takes_64_rows_on_an_h100():
     = 63.3 does not fit and 64 rows (33.6) do."""
     chunked = FLASH.replace(kernel="cudnn", loss_chunk=4096)
     row, state = 1024 * 12 * 12 * 768 * 2, STATE + 8 * 4096 * 50304
-    assert row_bytes(GPT2, chunked) == row and chunk_bytes(GPT2, chunked) == 8 * 4096 * 50304
+    assert row_bytes(GPT2, chunked) == row and chunk_bytes(GPT2, chunked, 128 * 1024) == 8 * 4096 * 50304
     h100 = 56.48 * GiB
-    assert row_margin("gpu") == 2.2 and row_margin("tpu") == row_margin("cpu") == 1.02
+    assert row_margin("gpu") == 2.2 and row_margin("tpu") == 1.02 and row_margin("cpu", chunked) == 1.85 * 2
     preset = train(rows_per_step=512, batch_size=0, grad_accum=0)
     assert plan(preset, 1, state, row, h100, margin=row_margin("tpu")).batch_size == 128
     on_gpu = plan(preset, 1, state, row, h100, margin=row_margin("gpu"))
@@ -201,8 +206,9 @@ def test_the_compile_says_when_a_larger_micro_batch_would_fit():
 
 def test_a_run_opens_with_the_micro_batch_it_chose_and_records_it(tmp_path):
     """A tiny run of 8 rows a step whose memory holds the state and 3 rows (by the module's own
-    estimates: what is tested here is that the run takes the choice, with the vocabulary its data
-    makes): 2 rows in 4 micro-batches, in the run's train settings and its config.json."""
+    estimates, a row at a CPU's margin: what is tested here is that the run takes the choice, with
+    the vocabulary its data makes): 2 rows in 4 micro-batches, in the run's train settings and its
+    config.json."""
     from jaxgpt import tokenizers
     from jaxgpt.opening import model_config, open_run
     from tests.runs import tiny_config, write_corpus
@@ -212,7 +218,7 @@ def test_a_run_opens_with_the_micro_batch_it_chose_and_records_it(tmp_path):
     vocab = tokenizers.train_tokenizer("char", [corpus.read_text()]).vocab_size
     cfg, compute = model_config(config, vocab), ComputeConfig()
     state = state_bytes(cfg, compute, TrainConfig.from_mapping(config.train))
-    config.train.memory_limit_gib = (state + 3 * row_bytes(cfg, compute)) / GiB
+    config.train.memory_limit_gib = (state + 3 * row_margin("cpu", compute) * row_bytes(cfg, compute)) / GiB
     run = open_run(config)
     run.checkpoints.close()
     run.lock.release()

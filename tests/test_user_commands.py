@@ -142,3 +142,46 @@ def test_init_from_a_scanned_run_with_every_speedrun_switch_starts_from_its_weig
     assert f"--- sample (run directory {tuned_dir}) ---" in tuned.stdout
     before, after = load_run(home / "runs/source")[0], load_run(home / tuned_dir)[0]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-20), after, before)
+
+
+def doc_line(page: str, pattern: str) -> list[str]:
+    """The argument list of the command in docs/PAGE whose text matches `pattern` (continuation lines joined)."""
+    text = (ROOT / "docs" / page).read_text().replace("\\\n", " ")
+    return shlex.split(next(line for line in text.splitlines() if re.search(pattern, line)), comments=True)
+
+
+def test_finetune_docs_own_template_means_newlines_and_ends_with_a_sample_in_it(tmp_path):
+    """docs/FINETUNE.md's own-template command, as a shell passes it (`\\n` a backslash and an n): the run's
+    template holds a newline (config.json), every held-out prompt eval.py answers is made with it, and the
+    run's final sample is a record's prompt made by the run's own template, not the preset's qa."""
+    animals = ["owl", "cat", "fox", "elk", "yak", "emu", "bee", "ant"]
+    records = [{"question": f"Which animal is number {i}?", "answer": animals[i % len(animals)]} for i in range(240)]
+    (tmp_path / "my_records.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    argv = doc_line("FINETUNE.md", r"prompt_template='Q: \{question\}\\nA: '")
+    out = run(argv, tmp_path, "--config.model.n_layer=1", "--config.model.d_model=32", "--config.model.n_head=2",
+              "--config.train.steps=3", "--config.train.warmup_steps=1", "--config.train.eval_every=3",
+              "--config.train.ckpt_every=3", "--config.train.eval_batch_size=4",
+              '--config.sample.record={"question": "Which animal is number 3?"}')
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = json.loads((tmp_path / "runs/mine/config.json").read_text())["data"]["records"]
+    assert saved["prompt_template"] == "Q: {question}\nA: "
+    assert out.stdout.split("---\n", 1)[1].startswith("Q: Which animal is number 3?\nA: "), out.stdout[-500:]
+    evaluated = run(["python", "eval.py", "--run_dir", "runs/mine", "--records", "--max_records", "4",
+                     "--max_new_tokens", "2"], tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    predictions = (tmp_path / "runs/mine/predictions.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in predictions]
+    assert len(prompts) == 4 and all(p.startswith("Q: Which animal") and p.endswith("?\nA: ") for p in prompts), prompts
+
+
+def test_a_refused_run_leaves_nothing_behind_and_keeps_what_was_there(tmp_path):
+    """A model that cannot be built is refused in one line after the directory was opened: a directory made
+    for the run is gone again; one that held a file keeps it and gains nothing."""
+    (tmp_path / "runs/mine").mkdir(parents=True)
+    (tmp_path / "runs/mine/notes.txt").write_text("mine")
+    for run_dir in ("runs/new", "runs/mine"):
+        out = run(["python", "train.py", "--config.model.n_head=3", f"--config.run_dir={run_dir}"], tmp_path)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and lines[-1].startswith("train.py: GPTConfig.d_model=128 is not divisible"), lines
+    assert not (tmp_path / "runs/new").exists()
+    assert sorted(p.name for p in (tmp_path / "runs/mine").iterdir()) == ["notes.txt"]
