@@ -4,7 +4,7 @@ interface a form implements, with its cache)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,28 @@ def token_before(last: tuple[jax.Array, jax.Array], positions) -> tuple[jax.Arra
     """(the last token kept (B,), whether it is at the position before each row's first new one)."""
     token, position = last
     return token, position == positions[:, 0] - 1
+
+
+class OneSequenceRows:
+    """What the caches that keep no token per slot (linear, local) share: each row decodes one
+    sequence, and its last token kept (last_token, last_position) is the token before the next."""
+
+    form: ClassVar[str]  # the attention form, for the message that refuses segments
+
+    def locate(self, tokens, positions=None, segments=None):
+        """(positions, the Where of the blocks, the cache with the new tokens' last kept one): the
+        new tokens see each other causally, and what the cache holds."""
+        if segments is not None:
+            raise ValueError(f"attention={self.form!r} decodes one sequence per row: segments cannot be given with "
+                             "its cache")
+        if positions is None:
+            positions = self.index[:, None] + jnp.arange(tokens.shape[-1])[None, :]
+        last_token, last_position = last_kept(tokens, positions, self.limit, (self.last_token, self.last_position))
+        return positions, Where(positions, positions), self.replace(last_token=last_token, last_position=last_position)
+
+    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
+        """The last token kept, held iff it is at the position before the first new one."""
+        return token_before((self.last_token, self.last_position), positions)
 
 
 class Form(NamedTuple):

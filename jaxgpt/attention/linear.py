@@ -3,18 +3,20 @@ state (S, z), whose size does not grow with the sequence: decoding goes on at an
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from jaxgpt import ops
-from jaxgpt.attention.base import EMPTY, Form, Where, last_kept, token_before
+from jaxgpt.attention.base import EMPTY, Form, OneSequenceRows, Where
 
 NO_LIMIT = jnp.iinfo(jnp.int32).max
 
 
 @flax.struct.dataclass
-class LinearCache:
+class LinearCache(OneSequenceRows):
     """The recurrent state of every layer. S[l] (B, H_kv, D, D) = Σ_s φ(k_s) v_sᵀ and z[l]
     (B, H_kv, D) = Σ_s φ(k_s) over the tokens absorbed so far, in float32. index (B,): the
     position of the next token. limit (B,): tokens at positions ≥ limit are read but not
@@ -28,19 +30,7 @@ class LinearCache:
     limit: jax.Array
     last_token: jax.Array
     last_position: jax.Array
-
-    def locate(self, tokens, positions=None, segments=None) -> tuple[jax.Array, Where, LinearCache]:
-        """The new tokens see each other causally, and the state."""
-        if segments is not None:
-            raise ValueError("attention='linear' decodes one sequence per row: segments cannot be given with its cache")
-        if positions is None:
-            positions = self.index[:, None] + jnp.arange(tokens.shape[-1])[None, :]
-        last_token, last_position = last_kept(tokens, positions, self.limit, (self.last_token, self.last_position))
-        return positions, Where(positions, positions), self.replace(last_token=last_token, last_position=last_position)
-
-    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
-        """The last token kept, held iff it is at the position before the first new one."""
-        return token_before((self.last_token, self.last_position), positions)
+    form: ClassVar[str] = "linear"
 
     def layer(self, layer: int, positions):
         """What layer `layer`'s attention reads and extends: (S, z, which new tokens to absorb)."""

@@ -4,17 +4,19 @@ holds only the last `window` keys and values of each layer, in a ring of slots."
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.attention.base import EMPTY, Form, Where, last_kept, token_before
+from jaxgpt.attention.base import EMPTY, Form, OneSequenceRows, Where
 
 NO_LIMIT = jnp.iinfo(jnp.int32).max
 
 
 @flax.struct.dataclass
-class RingCache:
+class RingCache(OneSequenceRows):
     """keys[l], values[l]: (B, W, H_kv, D) with W = min(window, the longest sequence); the
     token number n of a row lives in slot n mod W. positions[l] (B, W): the position of each
     slot's token (EMPTY before it is written). index (B,): tokens seen so far in each row.
@@ -29,18 +31,7 @@ class RingCache:
     limit: jax.Array
     last_token: jax.Array
     last_position: jax.Array
-
-    def locate(self, tokens, positions=None, segments=None) -> tuple[jax.Array, Where, RingCache]:
-        if segments is not None:
-            raise ValueError("attention='local' decodes one sequence per row: segments cannot be given with its cache")
-        if positions is None:
-            positions = self.index[:, None] + jnp.arange(tokens.shape[-1])[None, :]
-        last_token, last_position = last_kept(tokens, positions, self.limit, (self.last_token, self.last_position))
-        return positions, Where(positions, positions), self.replace(last_token=last_token, last_position=last_position)
-
-    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
-        """The last token kept, held iff it is at the position before the first new one."""
-        return token_before((self.last_token, self.last_position), positions)
+    form: ClassVar[str] = "local"
 
     def layer(self, layer: int, positions):
         """What layer `layer` reads and extends: (keys, values, their positions, index)."""

@@ -234,6 +234,38 @@ def count_here(tally: Tally, documents: Iterable[str]) -> list:
     return tally.result()
 
 
+class TokenList(Tokenizer):
+    """A tokenizer whose ordinary tokens are a list of distinct strings, in id order after the
+    four specials; `_is_token` says which strings may be one, `token_rule` says so in words."""
+
+    SPECIALS = (BOS, EOS, PAD, UNK)
+    token_rule: str  # what a token is, for the message that refuses another
+
+    def __init__(self, tokens: Iterable[str]):
+        tokens = list(tokens)
+        for token in tokens:
+            if not (isinstance(token, str) and self._is_token(token)):
+                raise ValueError(f"{token!r} is not {self.token_rule}")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError(f"a {self.kind} tokenizer's tokens must be distinct")
+        super().__init__({name: i for i, name in enumerate(self.SPECIALS)})
+        self._tokens = [*self.SPECIALS, *tokens]
+
+    @classmethod
+    @abc.abstractmethod
+    def _is_token(cls, token: str) -> bool:
+        """Whether `token` may be one of this kind's ordinary tokens."""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The ordinary tokens, in id order."""
+        return tuple(self._tokens[len(self.SPECIALS):])
+
+
 def _check_vocab_size(vocab_size: Any, minimum: int, base: str) -> None:
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < minimum:
         raise ValueError(f"vocab_size must be an integer ≥ {minimum} ({base}), got {vocab_size!r}")

@@ -13,27 +13,26 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import Any, ClassVar
 
-from jaxgpt.tokenizers.base import BOS, EOS, PAD, UNK, Tokenizer, _check_vocab_size, _documents, _field
+from jaxgpt.tokenizers.base import Tokenizer, TokenList, _check_vocab_size, _documents, _field
 
 
-class _TokenListTokenizer(Tokenizer):
+class _TokenListTokenizer(TokenList):
     """Ordinary tokens are a list of strings, in code-point order after the four specials;
     text is cut into pieces and a piece without a token of its own becomes <|unk|>."""
 
-    SPECIALS = (BOS, EOS, PAD, UNK)
     piece_name: ClassVar[str]  # what one token is, for messages
 
     def __init__(self, tokens: Iterable[str]):
-        tokens = list(tokens)
-        for token in tokens:
-            if not (isinstance(token, str) and self._is_piece(token)):
-                raise ValueError(f"{token!r} is not one {self.piece_name}, so it cannot be a "
-                                 f"{self.kind} token")
-        if len(set(tokens)) != len(tokens):
-            raise ValueError(f"a {self.kind} tokenizer's tokens must be distinct")
-        super().__init__({name: i for i, name in enumerate(self.SPECIALS)})
-        self._tokens = [*self.SPECIALS, *tokens]
-        self._ids = {token: i for i, token in enumerate(tokens, start=len(self.SPECIALS))}
+        super().__init__(tokens)
+        self._ids = {token: i for i, token in enumerate(self._tokens) if i >= len(self.SPECIALS)}
+
+    @property
+    def token_rule(self) -> str:
+        return f"one {self.piece_name}, so it cannot be a {self.kind} token"
+
+    @classmethod
+    def _is_token(cls, token: str) -> bool:
+        return cls._is_piece(token)
 
     @classmethod
     def train(cls, texts: str | Iterable[str], vocab_size: int | None = None) -> Tokenizer:
@@ -62,15 +61,6 @@ class _TokenListTokenizer(Tokenizer):
     @abc.abstractmethod
     def _is_piece(token: str) -> bool:
         """Whether `_pieces` can produce `token`."""
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokens)
-
-    @property
-    def tokens(self) -> tuple[str, ...]:
-        """The ordinary tokens, in id order."""
-        return tuple(self._tokens[len(self.SPECIALS):])
 
     def _encode_ordinary(self, text: str) -> list[int]:
         return list(map(self._ids.get, self._pieces(text), repeat(self.unk_id)))

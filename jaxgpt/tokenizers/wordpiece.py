@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.tokenizers.base import BOS, EOS, PAD, UNK, Tokenizer, _check_vocab_size, _documents, _field
+from jaxgpt.tokenizers.base import UNK, TokenList, _check_vocab_size, _documents, _field
 from jaxgpt.tokenizers.bpe_training import merge_pair
 
 _PRE_TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
@@ -74,7 +74,7 @@ def _is_word(token: str) -> bool:
     return _WORD_START.match(token) is not None
 
 
-class WordPieceTokenizer(Tokenizer):
+class WordPieceTokenizer(TokenList):
     """WordPiece with "##" continuation pieces and greedy longest-match-first encoding.
 
     Args:
@@ -84,18 +84,11 @@ class WordPieceTokenizer(Tokenizer):
     """
 
     kind = "wordpiece"
-    SPECIALS = (BOS, EOS, PAD, UNK)
+    token_rule = "a wordpiece token (a word, one punctuation mark or a whitespace run; '##' + a word or whitespace run)"
 
     def __init__(self, tokens: Iterable[str]):
-        tokens = list(tokens)
-        for token in tokens:
-            if not (isinstance(token, str) and _TOKEN.fullmatch(token)):
-                raise ValueError(f"{token!r} is not a wordpiece token (a word, one punctuation mark or a "
-                                 "whitespace run; '##' + a word or whitespace run)")
-        if len(set(tokens)) != len(tokens):
-            raise ValueError("a wordpiece tokenizer's tokens must be distinct")
-        super().__init__({name: i for i, name in enumerate(self.SPECIALS)})
-        self._tokens = [*self.SPECIALS, *tokens]
+        super().__init__(tokens)
+        tokens = self.tokens
         self._ids = {token: i for i, token in enumerate(self._tokens) if i >= len(self.SPECIALS)}
         self._max_len = max((len(t) - 2 * t.startswith("##") for t in tokens), default=1)
         self._text = [t[2:] if _is_continuation(t) else t for t in self._tokens]
@@ -122,14 +115,9 @@ class WordPieceTokenizer(Tokenizer):
             merger.merge(pair)
         return cls(merger.tokens)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tokens)
-
-    @property
-    def tokens(self) -> tuple[str, ...]:
-        """The ordinary tokens, in id order."""
-        return tuple(self._tokens[len(self.SPECIALS):])
+    @classmethod
+    def _is_token(cls, token: str) -> bool:
+        return _TOKEN.fullmatch(token) is not None
 
     def _encode_ordinary(self, text: str) -> list[int]:
         ids: list[int] = []
