@@ -51,7 +51,7 @@ def compiled_step(shape: str, chunk: int):
     mesh = sharding.make_mesh(config.mesh)
     optimizer = make_optimizer(train, param_layout(model))
     state, shardings = sharded_init(model, optimizer, train.seed, mesh)
-    rows = train.batch_size * train.grad_accum
+    rows = train.step_rows
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, cfg.block_size + 1)).astype(np.int32)
     at = sharding.batch_sharding(mesh)
     batch = (jax.device_put(tokens[:, :-1], at), jax.device_put(tokens[:, 1:], at))

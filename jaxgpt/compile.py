@@ -210,7 +210,7 @@ def compile_programs(config, devices=None, generate: bool = True) -> tuple[Any, 
     optimizer = make_optimizer(train_cfg, param_layout(gpt))
     abstract = abstract_state(gpt, optimizer, mesh)
     lowered = run.lower_train_step(gpt, train_cfg, mesh, optimizer, abstract, packed)
-    tokens = train_cfg.grad_accum * train_cfg.batch_size * cfg.block_size
+    tokens = train_cfg.step_rows * cfg.block_size
     batch = per_device_bytes(batch_structs(mesh, tokens // cfg.block_size, cfg.block_size, packed))
     per_token = flops_per_token(cfg, cfg.block_size)
     counting = platform != "gpu"  # XLA counts FLOPs and bytes (not a GPU's): add what its count of loops leaves out

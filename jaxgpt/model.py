@@ -12,6 +12,7 @@ it runs here. Generation passes an explicit cache in and gets the updated one ba
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import flax.linen as nn
@@ -309,6 +310,12 @@ def locate(tokens, cache, positions=None, segments=None):
     return positions, Where(positions, positions, segments, segments), cache
 
 
+def argnums(method, *names: str) -> tuple[int, ...]:
+    """The positions of `method`'s parameters `names`, self counted (what nn.remat's static_argnums index)."""
+    parameters = list(inspect.signature(method).parameters)
+    return tuple(parameters.index(name) for name in names)
+
+
 class GPT(nn.Module):
     """tokens (B, T) → logits (B, T, V) = LN_f(Blocks(E[x] + P)) W_U (+ b_U with logits_bias), soft-capped
     to c·tanh(logits/c) with logit_softcap = c.
@@ -395,7 +402,7 @@ class GPT(nn.Module):
         # With remat, a block keeps only its weight-matmul outputs for the backward pass and
         # recomputes attention and the elementwise ops from them.
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                         static_argnums=(4,)) if compute.remat else Block
+                         static_argnums=argnums(Block.__call__, "deterministic")) if compute.remat else Block
         layer_caches = [None if cache is None else cache.layer(layer, positions) for layer in range(cfg.n_layer)]
         return stack.blocks(block, cfg, compute, x, tokens, where, layer_caches, deterministic,
                             normal(embedding_std(cfg)))

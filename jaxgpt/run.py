@@ -76,7 +76,7 @@ def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, ab
 
 def rows_at(train_cfg: TrainConfig):
     """step ↦ the rows of its batch: train.batch_schedule's, then batch_size × grad_accum."""
-    rows = train_cfg.grad_accum * train_cfg.batch_size
+    rows = train_cfg.step_rows
     return lambda step: batch_schedule.rows_at(train_cfg.batch_schedule, rows, step)
 
 
@@ -87,7 +87,7 @@ def _batch_maker(run: Run):
 
     def make_batch(step: int, part: slice):
         if run.corpus.records:
-            before = batch_schedule.rows_before(tc.batch_schedule, tc.grad_accum * tc.batch_size, step)
+            before = batch_schedule.rows_before(tc.batch_schedule, tc.step_rows, step)
             return data.packed_batch(run.corpus.examples["train"], run.layouts["train"], seed=tc.seed, step=step,
                                      batch_size=rows_of(step), rows=part, loss_on=run.config.data.records.loss_on,
                                      drawn_before=before)
@@ -175,7 +175,7 @@ def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, An
     tc = run.train
     abstract = abstract_state(run.gpt, optimizer, run.mesh)
     saved = max(run.checkpoints.steps(), default=0) if run.resuming else 0
-    rows = batch_schedule.distinct_rows(tc.batch_schedule, tc.grad_accum * tc.batch_size, saved, tc.steps)
+    rows = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, saved, tc.steps)
     lowered = {r: lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records,
                                    r // tc.batch_size) for r in rows}
     with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
@@ -183,7 +183,7 @@ def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, An
         state, _, start_step = init_or_restore(run, optimizer, tc.seed, abstract)
     if start_step >= tc.steps:
         return state, start_step, {}
-    needed = batch_schedule.distinct_rows(tc.batch_schedule, tc.grad_accum * tc.batch_size, start_step, tc.steps)
+    needed = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, start_step, tc.steps)
     return state, start_step, {r: compiling[r].result() if r in compiling else
                                lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records,
                                                 r // tc.batch_size).compile() for r in needed}
@@ -199,9 +199,9 @@ def _train(run: Run, stop: StopRequested) -> dict:
     tc = run.train
     optimizer = make_optimizer(tc, param_layout(run.gpt))
     state, start_step, train_steps = _state_and_steps(run, optimizer)
-    tokens_per_step = tc.grad_accum * tc.batch_size * run.model.block_size
+    tokens_per_step = tc.step_rows * run.model.block_size
     tokens_before = lambda step: run.model.block_size * batch_schedule.rows_before(  # noqa: E731
-        tc.batch_schedule, tc.grad_accum * tc.batch_size, step)
+        tc.batch_schedule, tc.step_rows, step)
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
         tc.peak_flops), measured=not tc.peak_flops, tokens_before=tokens_before)
     log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
