@@ -12,7 +12,7 @@ Splits: a run is evaluated by default on the validation split it held out while 
 (its own data settings; with --data, the same fraction of that source held out the same
 way). 'train' is the rest and 'all' the whole source. A Hugging Face model was trained on
 none of it, so 'all' is its default; 'val' holds out --val_fraction (default 0.1) as a run
-would. The work is done by jaxgpt.data and jaxgpt.evaluation.
+would. The work is done by jaxgpt.data and jaxgpt.train.evaluation.
 
 Unknown tokens: text a character or word tokenizer has no token for becomes <|unk|>, which a
 model learns to predict cheaply, so a loss over it flatters the model. "unknown_fraction" is
@@ -29,7 +29,7 @@ as training's evaluation counts it, and each example of the split is answered: t
 every token before its last completion, the model's greedy completion (up to <|eos|>, at most
 --max_new_tokens, default the longest reference + 8) is compared with the reference: exact
 match after stripping surrounding whitespace, and a SQuAD-style token F1 over lower-cased
-whitespace-separated words (jaxgpt.completions). A line "records: N held-out, exact match …"
+whitespace-separated words (jaxgpt.score.completions). A line "records: N held-out, exact match …"
 and then the JSON line go to stdout; each example's prompt, reference and prediction go to
 --predictions (default RUN_DIR/predictions.jsonl), one JSON object per line.
 
@@ -40,7 +40,7 @@ accuracies are reported: acc (the most likely choice), acc_norm (log-likelihood 
 choice's length in characters) and acc_bytes (divided by its UTF-8 bytes). A line "choices: N
 items, acc …" and then the JSON line go to stdout; each item's label, predictions and
 log-likelihoods go to --predictions (default RUN_DIR/choices.jsonl). The work is done by
-jaxgpt.choices.
+jaxgpt.score.choices.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from jaxgpt.errors import tidy_cli_output
 
 SPLITS = ("val", "train", "all")
 DEFAULT_BATCH_SIZE = 8
-RECORDS_MARGIN = 8  # jaxgpt.completions.MARGIN_TOKENS (not imported here: --help stays fast)
+RECORDS_MARGIN = 8  # jaxgpt.score.completions.MARGIN_TOKENS (not imported here: --help stays fast)
 SPLIT_WORDS = {"val": "held-out", "train": "training", "all": "in all"}
 
 
@@ -184,7 +184,8 @@ def check_records_args(args) -> None:
 
 def load_model(args):
     """(params, config, tokenizer, the run's saved config or {}) of --run_dir or --hf_dir."""
-    from jaxgpt import convert, run
+    from jaxgpt import convert
+    from jaxgpt.train import run
 
     if args.hf_dir is not None:
         params, config, tokenizer = convert.load_hf_run(args.hf_dir)
@@ -213,7 +214,7 @@ def data_config(args, saved: dict, split: str) -> dict:
 def check_unknown(args, tokens, tokenizer, where: str) -> tuple[float, float | None]:
     """(the share of <|unk|> targets, the bytes per counted target when they are masked, else
     None); a share above --max_unknown without --mask_unknown is an error."""
-    from jaxgpt.evaluation import id_share, known_bytes_per_token
+    from jaxgpt.train.evaluation import id_share, known_bytes_per_token
 
     share = id_share(tokens, tokenizer.unk_id)
     if share > args.max_unknown and not args.mask_unknown:
@@ -231,7 +232,7 @@ def evaluate(args) -> dict:
     from tqdm.auto import tqdm
 
     from jaxgpt import convert, data
-    from jaxgpt.evaluation import evaluate_tokens
+    from jaxgpt.train.evaluation import evaluate_tokens
 
     if args.choices is not None:
         return evaluate_choices(args)
@@ -284,7 +285,7 @@ def evaluate(args) -> dict:
 
 def evaluate_records(args, params, config, tokenizer, corpus, saved: dict, split: str) -> dict:
     """--records: the loss over the split's completions, then each example answered greedily
-    and scored (jaxgpt.completions); the predictions file written and the summary line printed."""
+    and scored (jaxgpt.score.completions); the predictions file written and the summary line printed."""
     from jaxgpt.files import write_atomically
 
     examples = corpus.examples["val" if split == "val" else "train"]
@@ -310,13 +311,14 @@ def evaluate_records(args, params, config, tokenizer, corpus, saved: dict, split
 
 
 def evaluate_choices(args) -> dict:
-    """--choices: each item's choices scored (jaxgpt.choices), the summary line printed and the
+    """--choices: each item's choices scored (jaxgpt.score.choices), the summary line printed and the
     predictions file written."""
     from tqdm.auto import tqdm
 
-    from jaxgpt import choices, convert
+    from jaxgpt import convert
     from jaxgpt.files import write_atomically
     from jaxgpt.model import GPT
+    from jaxgpt.score import choices
 
     items = choices.read_items(args.choices)  # a bad file is found before the model is loaded
     params, config, tokenizer, _ = load_model(args)
@@ -347,7 +349,7 @@ def records_loss(args, params, config, tokenizer, examples, data_section: dict, 
 
     from jaxgpt import data
     from jaxgpt.config import DataConfig
-    from jaxgpt.evaluation import evaluate_examples
+    from jaxgpt.train.evaluation import evaluate_examples
 
     records = DataConfig.from_mapping(data_section).records  # a run's saved data section, old or new
     layout = data.plan(examples, config.block_size, records.packing, records.truncate)
@@ -363,7 +365,7 @@ def answer_records(args, params, config, tokenizer, examples, batch_size: int) -
     """Each example's greedy completion scored, with a progress bar."""
     from tqdm.auto import tqdm
 
-    from jaxgpt.completions import evaluate_completions
+    from jaxgpt.score.completions import evaluate_completions
 
     with tqdm(unit="batch", desc="answer", file=sys.stderr, dynamic_ncols=True, mininterval=0.5) as bar:
         def on_batch(done: int, total: int) -> None:

@@ -9,7 +9,7 @@ Loads the run's config, tokenizer and best (else latest) checkpoint, then prints
 --num_samples continuations of the prompt, drawn with --temperature/--top_k/--top_p, or the
 --beams best by beam search. --stream prints text as it is generated; --show_probs K prints,
 before each new token, the K most likely next tokens under the model. Generation stops at
-the tokenizer's <|eos|>. The work is done by jaxgpt.sampling, jaxgpt.beam and jaxgpt.text.
+the tokenizer's <|eos|>. The work is done by jaxgpt.decode.sampling, jaxgpt.decode.beam and jaxgpt.decode.text.
 
 How the model runs is chosen here, whatever the run was trained with: --param_dtype
 bfloat16 keeps the weights in bfloat16, --weights int8 quantises each weight matrix to int8
@@ -38,19 +38,20 @@ from pathlib import Path
 import jax
 from absl import logging as absl_logging
 
-from jaxgpt import beam, convert, sampling, viz
+from jaxgpt import convert, viz
 from jaxgpt.attention import KERNELS
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.cli import unescape
-from jaxgpt.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
 from jaxgpt.config import ComputeConfig
 from jaxgpt.data.records import PRESETS
+from jaxgpt.decode import beam, sampling
+from jaxgpt.decode.text import TextStream, format_next_tokens, prompt_or_start
 from jaxgpt.errors import tidy_cli_output
 from jaxgpt.model_config import DTYPES, WEIGHTS, check_kernel
 from jaxgpt.quantize import params_for
-from jaxgpt.run import load_run
-from jaxgpt.rundir import read_run
-from jaxgpt.text import TextStream, format_next_tokens, prompt_or_start
+from jaxgpt.score.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
+from jaxgpt.train.run import load_run
+from jaxgpt.train.rundir import read_run
 
 DIVIDER = "-" * 15
 

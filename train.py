@@ -20,7 +20,7 @@ STOPPED = "train.py: stopped before training began; run the same command to star
 
 
 def stop_while_starting(signum, frame) -> None:
-    """Ctrl-C before training takes the signals over (jaxgpt.run.StopRequested): there is
+    """Ctrl-C before training takes the signals over (jaxgpt.train.run.StopRequested): there is
     nothing to save yet, and an interrupted preparation resumes where it stopped, so the
     process ends here and now. (A KeyboardInterrupt could be swallowed by a library that is
     importing or starting up, and the run would go on.)"""
@@ -62,8 +62,9 @@ def main(argv) -> int:
     absl_logging.set_verbosity(absl_logging.FATAL)
     import jax
 
-    from jaxgpt import run, sharding, viz
+    from jaxgpt import sharding, viz
     from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.train import run
 
     try:
         sharding.start_jax(config)  # before JAX's first operation: CPU devices, hosts
@@ -90,7 +91,7 @@ def main(argv) -> int:
 
 def print_sample(config) -> None:
     """The sample the run ends with; the run finished and stands, so a failure here is a warning."""
-    from jaxgpt import run
+    from jaxgpt.train import run
 
     try:
         sample = run.write_sample(config)

@@ -8,7 +8,7 @@ sampling tokens/s at batch 1 and 32.
 
 Each row is one preset as shipped on this device: its model (block 1024, bf16 compute, float32
 parameters), its optimizer (AdamW; Muon for the speedrun), and its rows per step (512) taken
-as the preset takes them here (jaxgpt.micro_batch: the most rows per device that fit the
+as the preset takes them here (jaxgpt.train.micro_batch: the most rows per device that fit the
 device's memory, the rest by gradient accumulation), with the attention kernel and
 compute.loss_chunk of the row ('preset': the preset's own chunk; 0: the whole logits). Tokens
 are random. Compile time is `lower().compile()` of the train step; step time is the median of
@@ -43,12 +43,12 @@ from table import print_table  # noqa: E402
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token  # noqa: E402
 from jaxgpt.config import TrainConfig, load_config  # noqa: E402
+from jaxgpt.decode.sampling import generate  # noqa: E402
 from jaxgpt.metrics import cached_matmul_peak  # noqa: E402
-from jaxgpt.micro_batch import fitted_plan  # noqa: E402
 from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
-from jaxgpt.sampling import generate  # noqa: E402
-from jaxgpt.training import init_state, make_train_step  # noqa: E402
+from jaxgpt.train.micro_batch import fitted_plan  # noqa: E402
+from jaxgpt.train.step import init_state, make_train_step  # noqa: E402
 
 # dense bf16 FLOP/s of one device, by the start of jax's device_kind
 PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "NVIDIA L4": 121e12,

@@ -37,7 +37,7 @@ from jaxgpt import GPTConfig, checkpoint  # noqa: E402
 from jaxgpt.config import TrainConfig  # noqa: E402
 from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import make_optimizer  # noqa: E402
-from jaxgpt.training import init_state  # noqa: E402
+from jaxgpt.train.step import init_state  # noqa: E402
 
 
 def gpt2_small_state() -> dict:

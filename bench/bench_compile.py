@@ -30,7 +30,7 @@ from jaxgpt import GPT, ComputeConfig, GPTConfig  # noqa: E402
 from jaxgpt.config import TrainConfig  # noqa: E402
 from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
-from jaxgpt.training import init_state, make_train_step  # noqa: E402
+from jaxgpt.train.step import init_state, make_train_step  # noqa: E402
 
 BATCH = 8
 

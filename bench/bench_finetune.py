@@ -6,7 +6,7 @@ time, and the train step's speed with packing against padding-only on the same r
 
 Part 1 trains configs/finetune_records.py (look-ups in a generated table) in segments,
 resuming each (the schedule is the whole run's), and after each segment greedy-decodes every
-held-out record (jaxgpt.completions): exact match and token F1 against the reference.
+held-out record (jaxgpt.score.completions): exact match and token F1 against the reference.
 Part 2 times the jitted train step (after one compile, on one device) on the demo's records
 laid out as packed rows and as one example per row, and counts the positions that hold an
 example.
@@ -49,9 +49,10 @@ def demo_config(work: Path, steps: int):
 
 
 def exact_match_against_steps(work: Path, segments: list[int]) -> list[list[str]]:
-    from jaxgpt import completions, data
-    from jaxgpt.run import train
-    from jaxgpt.rundir import load_run
+    from jaxgpt import data
+    from jaxgpt.score import completions
+    from jaxgpt.train.run import train
+    from jaxgpt.train.rundir import load_run
 
     total = segments[-1]
     rows, trained = [], 0.0
@@ -77,8 +78,8 @@ def step_speed(work: Path, repeats: int = 5, steps: int = 20) -> list[list[str]]
     from jaxgpt.config import TrainConfig
     from jaxgpt.model import param_layout
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
-    from jaxgpt.run import model_config
-    from jaxgpt.training import init_state, make_train_step
+    from jaxgpt.train.run import model_config
+    from jaxgpt.train.step import init_state, make_train_step
 
     config = demo_config(work, 1000)
     corpus = data.prepare(config.data)

@@ -100,7 +100,7 @@ def run_child(backend: str, argv: list[str], timed) -> int:
     start = preload.start
 
     def start_timed(*args, **kwargs):
-        from jaxgpt import likelihood
+        from jaxgpt.score import likelihood
 
         timed(likelihood, "prepare", "jaxgpt thread: compile")
         return start(*args, **kwargs)
@@ -237,7 +237,7 @@ def report(args, times, loads, metrics, models, root: Path) -> None:
 
 def where_time_goes(models, root: Path) -> None:
     """Encoding every request string with each tokenizer; jaxgpt's scoring alone."""
-    from jaxgpt import likelihood
+    from jaxgpt.score import likelihood
 
     items = [json.loads(line) for line in (root / "items.jsonl").read_text(encoding="utf-8").splitlines()]
     strings = [item["context"] + " " + choice for item in items for choice in item["choices"]]

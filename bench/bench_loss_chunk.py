@@ -40,7 +40,7 @@ def compiled_step(shape: str, chunk: int):
     from jaxgpt.model import GPT, param_layout
     from jaxgpt.model_config import ComputeConfig, GPTConfig
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
-    from jaxgpt.training import make_train_step, seeded, sharded_init
+    from jaxgpt.train.step import make_train_step, seeded, sharded_init
 
     config = load_config(ROOT / "configs" / "shakespeare_char_cpu.py")
     train = TrainConfig.from_mapping(config.train)

@@ -2,7 +2,7 @@
 
     python bench/bench_newton_schulz.py [--banks 16x128x128,8x128x504] [--steps 5] [--calls 30] [--rounds 3]
 
-A bank is N matrices of (m, n), m ≤ n, orthogonalised together (jaxgpt.muon.newton_schulz); the
+A bank is N matrices of (m, n), m ≤ n, orthogonalised together (jaxgpt.optim.muon.newton_schulz); the
 default is `configs/speedrun_cpu.py`'s two banks. One jitted call runs every bank's `steps`
 iterations; each round times `calls` calls of each dtype, alternated, and the table gives the
 median per dtype and their ratio (bfloat16 / float32), with each round's medians.
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt.muon import newton_schulz
 from jaxgpt.optim import NS_COEFFS
+from jaxgpt.optim.muon import newton_schulz
 
 
 def program(banks, steps: int, dtype):

@@ -5,7 +5,7 @@ float32 and transformers, side by side.
                                  [--new_tokens 500] [--gpt2_tokens 128] [--rounds 5] [--run_dir RUN]
 
 For each model shape and batch size, --new_tokens tokens per row are drawn (temperature 1,
-no EOS) from a one-token prompt with `jaxgpt.sampling.generate` (the KV cache) and with
+no EOS) from a one-token prompt with `jaxgpt.decode.sampling.generate` (the KV cache) and with
 naive recomputation: nanoGPT's sample.py as one compiled loop, which runs the whole cropped
 context (padded to block_size) through the model for every token. Reported separately:
 compile time (tracing, lowering and XLA compilation, from jax.monitoring), first-token
@@ -14,7 +14,7 @@ second of the compiled run. At batch 1 a second column times a run that stays in
 context (block_size − 1 new tokens), where every cached token costs one position.
 
 Past block_size every new token needs one pass over the block_size-token window, with or
-without the cache (see jaxgpt/decoding.py), so the table ends with the speed that bound
+without the cache (see jaxgpt/decode/logits.py), so the table ends with the speed that bound
 allows at the measured matmul peak of this machine.
 
 Narrow weights (--parts weights): GPT-2 124M (random weights) decodes greedily at batch 1
@@ -46,9 +46,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, sampling  # noqa: E402
+from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token  # noqa: E402
+from jaxgpt.decode import sampling
 from jaxgpt.quantize import params_for  # noqa: E402
-from jaxgpt.run import load_run  # noqa: E402
+from jaxgpt.train.run import load_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

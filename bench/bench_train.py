@@ -8,7 +8,7 @@
     python bench/bench_train.py --optimizers 5  # the CPU speedrun's step: Muon (banks; optax's) against AdamW
 
 Each shape runs in its own process (so peak RSS is its own): the jitted train step of
-jaxgpt.training, as train.py runs it, on real Tiny Shakespeare batches from jaxgpt.data with
+jaxgpt.train.step, as train.py runs it, on real Tiny Shakespeare batches from jaxgpt.data with
 the prefetching loader, after one compile: the step-only rate, which train.py's steady
 tokens/s should match. MFU = flops_per_token × tokens/s ÷ the fp32 matmul peak measured in
 the same process. For a comparison with nanoGPT, whole runs side by side on this machine,
@@ -57,8 +57,8 @@ def measure(shape: str, prefetch: bool = True) -> dict:
     from jaxgpt.metrics import IN_FLIGHT, measure_matmul_peak
     from jaxgpt.model import flops_per_token, param_layout
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
-    from jaxgpt.run import model_config
-    from jaxgpt.training import make_train_step, seeded, sharded_init
+    from jaxgpt.train.run import model_config
+    from jaxgpt.train.step import make_train_step, seeded, sharded_init
 
     config_name, micro_batch, accum, steps, _ = SHAPES[shape]
     batch_size = micro_batch * accum
@@ -116,7 +116,7 @@ def measure(shape: str, prefetch: bool = True) -> dict:
 
 def use_optax_muon() -> None:
     """train.optimizer="muon" built as before its banks: optax.contrib.muon on the declarations'
-    matrices, one Newton–Schulz chain per parameter (the peer of jaxgpt.muon's banks)."""
+    matrices, one Newton–Schulz chain per parameter (the peer of jaxgpt.optim.muon's banks)."""
     import optax
 
     from jaxgpt import optim
@@ -157,7 +157,7 @@ def recipe() -> dict:
     from absl import logging
 
     from jaxgpt import sharding
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     logging.set_verbosity(logging.ERROR)
     config = load_config("shakespeare_char_cpu")
@@ -180,7 +180,7 @@ def loop(steps: int = 300) -> dict:
 
     from jaxgpt import sharding
     from jaxgpt.metrics import read_metrics
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     logging.set_verbosity(logging.ERROR)
     config = load_config("shakespeare_char_cpu")

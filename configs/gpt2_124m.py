@@ -5,7 +5,7 @@ bfloat16 compute with float32 parameters, ~0.5M tokens per step (512 rows × 102
     python train.py --config=configs/gpt2_124m.py --config.data.source=SOURCE --config.mesh.fsdp=-1 --config.mesh.data=1
 
 The rows each device takes at once are chosen from the device count and the memory of one
-device (jaxgpt.micro_batch; the run says what it chose), the rest of the 512 rows by gradient
+device (jaxgpt.train.micro_batch; the run says what it chose), the rest of the 512 rows by gradient
 accumulation: 64 rows per chip in one micro-batch on v5e-8 (the loss 4096 tokens at a time,
 compute.loss_chunk, holds no row's logits). An explicit train.batch_size and train.grad_accum
 (their product the rows per step) win.

@@ -23,7 +23,7 @@ Schedule = tuple[tuple[int, int], ...]
 def checked(schedule: Any, micro_batch: int | None) -> Schedule:
     """The schedule as a tuple of (until_step, rows) pairs; ConfigError, in one line, unless each is
     a pair of positive integers, the steps increase, and each rows is a multiple of the
-    micro-batch (when it is known; None: chosen later to divide them all, jaxgpt.micro_batch)."""
+    micro-batch (when it is known; None: chosen later to divide them all, jaxgpt.train.micro_batch)."""
     pairs = tuple(tuple(pair) if isinstance(pair, (tuple, list)) else (pair,) for pair in schedule or ())
     if not all(len(pair) == 2 and all(is_int(n) and n > 0 for n in pair) for pair in pairs):
         raise ConfigError(f"train.batch_schedule={schedule!r}: must be (until_step, rows) pairs of positive integers, "

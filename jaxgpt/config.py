@@ -58,7 +58,7 @@ MUON_SWITCHES = {"muon_coeffs": "quintic", "normuon": False}
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The train section: the optimizer and its schedule, batches, evaluation, logging and
-    checkpoints (jaxgpt.optim and jaxgpt.run read it).
+    checkpoints (jaxgpt.optim and jaxgpt.train.run read it).
 
     optimizer: 'adamw' (every parameter), or 'muon' (the blocks' weight matrices through Muon,
     the rest through AdamW). schedule: 'cosine' (linear warmup, cosine decay to min_lr) or 'wsd'
@@ -73,7 +73,7 @@ class TrainConfig:
     batch_size: int = 12  # rows per micro-batch, over all devices; 0: chosen from the memory (rows_per_step)
     grad_accum: int = 1  # micro-batches per optimizer step; 0: rows_per_step / batch_size
     # the rows of one optimizer step (over all devices and micro-batches); 0: batch_size × grad_accum. With
-    # batch_size or grad_accum 0, the micro-batch per device is chosen to fit it (jaxgpt.micro_batch)
+    # batch_size or grad_accum 0, the micro-batch per device is chosen to fit it (jaxgpt.train.micro_batch)
     rows_per_step: int = 0
     optimizer: str = "adamw"  # adamw | muon
     lr: float = 1e-3  # the peak learning rate (under muon: of the blocks' weight matrices)
@@ -110,13 +110,13 @@ class TrainConfig:
     # Muon's Newton–Schulz coefficients: 'quintic' (one (a, b, c) every step), 'polar_express' (a row per
     # step, 5 steps), or rows 'a,b,c; a,b,c; …', one per step (jaxgpt.optim.ns_coefficients)
     muon_coeffs: str = "quintic"
-    normuon: bool = False  # NorMuon: Muon's update normalised per output neuron (jaxgpt.muon.scale_by_neuron_norm)
+    normuon: bool = False  # NorMuon: Muon's update normalised per output neuron (optim.muon.scale_by_neuron_norm)
     normuon_beta2: float = 0.95  # NorMuon's second-moment decay
     cautious_weight_decay: bool = False  # the decay only where the update and the parameter agree in sign
     # ((until_step, rows), …): the rows of the steps before each until_step; after the last, the run's rows
     # (train.rows_per_step, or batch_size × grad_accum). Each a multiple of train.batch_size (jaxgpt.batch_schedule)
     batch_schedule: tuple = ()
-    # multi-token prediction (jaxgpt.multi_token): each position's logits also predict the tokens 2…K ahead,
+    # multi-token prediction (jaxgpt.loss.multi_token): each position's logits also predict the tokens 2…K ahead,
     # K = mtp_tokens (1: the next token only), token k weighted mtp_weight^(k−1), fading linearly to 0 by
     # mtp_fraction of the schedule's steps (train.decay_steps, else train.steps)
     mtp_tokens: int = 1
@@ -261,7 +261,7 @@ def _check_train(config: TrainConfig, ok: bool, key: str, expected: str) -> None
 @dataclasses.dataclass(frozen=True)
 class SampleConfig:
     """The sample section: what train.py writes to sample.txt at the end of a run, the run's best
-    model continuing `prompt` (jaxgpt.run.write_sample). Checked when the run starts, so a bad
+    model continuing `prompt` (jaxgpt.train.run.write_sample). Checked when the run starts, so a bad
     setting stops it before the first step, not after the last.
 
     prompt: the text to continue, at least one character. record: in a records run, a record (a

@@ -196,7 +196,7 @@ class DataConfig:
       the tokenizer sample, the bound on a preparation's memory (a document is read whole).
     max_unknown: in [0, 1]: the largest share of <|unk|> among the train tokens that a tokenizer
       not trained on this data (init_from's, or a tokenizer file) may make; above it the run
-      refuses to start (jaxgpt.preflight.check_unknown, from jaxgpt.opening.open_run): a model
+      refuses to start (jaxgpt.train.preflight.check_unknown, from jaxgpt.train.opening.open_run): a model
       would learn to predict <|unk|>.
     """
 

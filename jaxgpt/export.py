@@ -28,7 +28,7 @@ from jaxgpt import convert
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.errors import tidy_cli_output
 from jaxgpt.files import write_json
-from jaxgpt.run import load_run
+from jaxgpt.train.run import load_run
 
 MANIFEST = "jaxgpt_export.json"  # the files an export wrote, each with its sha256
 

@@ -156,7 +156,7 @@ def start_jax(config) -> None:
     it before touching JAX. Nothing else in jaxgpt changes JAX's global settings."""
     dist = config.distributed
     processes = int(dist.num_processes or os.environ.get("JAX_NUM_PROCESSES") or 1)
-    train = config.train  # a batch_size of 0 is chosen later (jaxgpt.micro_batch): the rows it comes from
+    train = config.train  # a batch_size of 0 is chosen later (jaxgpt.train.micro_batch): the rows it comes from
     use_cpu_cores(config.mesh, [train.batch_size or train.rows_per_step // (train.grad_accum or 1),
                                 train.eval_batch_size, *(rows for _, rows in train.batch_schedule)], processes)
     use_compilation_cache(config.compilation_cache)

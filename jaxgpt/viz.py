@@ -35,12 +35,12 @@ from jaxgpt.attention import FORMS
 from jaxgpt.blocks import block_name, layers_as
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.config import GPTConfig
+from jaxgpt.decode.text import encode_prompt
 from jaxgpt.errors import tidy_cli_output
 from jaxgpt.files import unwritable, writable_directory
 from jaxgpt.metrics import current_records, read_metrics
 from jaxgpt.model import GPT
-from jaxgpt.run import load_run
-from jaxgpt.text import encode_prompt
+from jaxgpt.train.run import load_run
 
 DPI = 100
 WIDTH = 9.0  # inches: 900 px at DPI

@@ -1,5 +1,5 @@
 """The reference Muon: optax.contrib.muon on the blocks' matrices (the declarations' axes), AdamW
-on the rest, as jaxgpt built it before its banks (jaxgpt.muon), with train.muon_coeffs's table.
+on the rest, as jaxgpt built it before its banks (jaxgpt.optim.muon), with train.muon_coeffs's table.
 Its state's layout is the one checkpoints of that time hold."""
 
 import optax

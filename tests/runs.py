@@ -3,7 +3,7 @@
 what reads one: sample.py, eval.py, export, viz, circuits), or trained (`trained_run`: a few
 steps of `tiny_config` on `write_corpus`'s text, once per distinct setting in a test session,
 shared by every test that reads it); and the tiny config itself, as a ConfigDict for
-jaxgpt.run.train or as train.py's arguments."""
+jaxgpt.train.run.train or as train.py's arguments."""
 
 import json
 from pathlib import Path
@@ -56,12 +56,12 @@ _TRAINED: dict[str, tuple[Path, dict]] = {}  # the settings → (the run directo
 
 
 def trained_run(tmp_path_factory, **changes) -> tuple[Path, dict]:
-    """(the run directory, jaxgpt.run.train's result) of tiny_config with `changes`, on
+    """(the run directory, jaxgpt.train.run.train's result) of tiny_config with `changes`, on
     write_corpus's text: trained at the first call with these settings in the session, shared by
     the later ones. Its readers leave it as it is (copy it to change it, or resume from it)."""
     key = json.dumps(sorted(changes.items()), default=repr)
     if key not in _TRAINED:
-        from jaxgpt.run import train
+        from jaxgpt.train.run import train
 
         where = tmp_path_factory.mktemp("trained")
         _TRAINED[key] = where / "run", train(tiny_config(where, write_corpus(where / "corpus.txt"), **changes))

@@ -16,7 +16,7 @@ from jaxgpt import GPTConfig, sharding  # noqa: E402
 from jaxgpt.config import TrainConfig  # noqa: E402
 from jaxgpt.model import param_layout  # noqa: E402
 from jaxgpt.optim import learning_rate_schedule, make_optimizer  # noqa: E402
-from jaxgpt.training import init_state, make_train_step, sharded_init  # noqa: E402
+from jaxgpt.train.step import init_state, make_train_step, sharded_init  # noqa: E402
 
 TRAIN = TrainConfig(**dict(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0))
 # sizes divisible by every mesh axis, so each rule really shards; dropout masks depend on each

@@ -1,4 +1,4 @@
-"""Multiple choice without the harness (jaxgpt.choices, jaxgpt.likelihood): items read from JSONL in
+"""Multiple choice without the harness (jaxgpt.score.choices, jaxgpt.score.likelihood): items read from JSONL in
 both forms, requests encoded as the harness encodes them, the accuracies on a worked example, and
 the batched, bucketed scores against a float64 NumPy evaluation of the model's logits."""
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from test_model import random_params
 
-from jaxgpt import GPTConfig, choices, likelihood, tokenizers
+from jaxgpt import GPTConfig, tokenizers
 from jaxgpt.model import GPT
+from jaxgpt.score import choices, likelihood
 
 TEXT = "the king speaks to the queen. the lord goes there, and the lady comes here!\n"
 

@@ -191,7 +191,7 @@ def test_unknown_topology_lists_the_known_ones():
     code, err = run_main("--topology=v9:2x2", *TINY)
     assert code == 2 and err.startswith("jaxgpt.compile: unknown topology 'v9:2x2'")
     assert "v5e:{" in err and "2x4" in err and "v5p:{" in err and len(err.splitlines()) == 1
-    assert "h100:{1|2|4|8|2x8|" in err and "a100:{" in err  # the GPU topologies too (jaxgpt.gpus)
+    assert "h100:{1|2|4|8|2x8|" in err and "a100:{" in err  # the GPU topologies too (jaxgpt.compile.gpus)
 
 
 def test_mesh_that_does_not_divide_the_devices():
@@ -217,9 +217,9 @@ def test_compile_only_ends_with_a_verdict_against_the_budget_its_micro_batch_was
     train.memory_limit_gib's), which the planner's line names too; what does not fit exits 2."""
     from test_user_commands import run
 
-    from jaxgpt.compile_table import size
+    from jaxgpt.compile.table import size
     from jaxgpt.config import TrainConfig
-    from jaxgpt.micro_batch import budget
+    from jaxgpt.train.micro_batch import budget
 
     limit = [f"--config.train.memory_limit_gib={limit_gib}"] if limit_gib else []
     done = run(["python", "train.py", "--config.compile_only=True", *PLANNED, *limit], tmp_path)
@@ -244,9 +244,9 @@ def test_the_micro_batch_the_planner_chooses_compiles_to_a_step_that_fits_its_bu
     """The planner and the compile agree: with room by the planner's estimates for `rows` rows of 64
     (train.memory_limit_gib), it takes them, and the compiled train step, by XLA's measure of what
     must fit on a CPU (the sum of its parts), fits that same budget."""
-    from jaxgpt import micro_batch, opening
     from jaxgpt.cli import parse_config
     from jaxgpt.config import TrainConfig
+    from jaxgpt.train import micro_batch, opening
 
     config = parse_config(["compile", *PLANNED, "--config.model.vocab_size=512", "--config.train.rows_per_step=64",
                            "--config.mesh.cpu_devices=1"], ahead.DEFAULT_CONFIG)
@@ -290,7 +290,7 @@ def test_space_separated_topology_is_the_topology():
 
 
 def test_parse_args_reads_both_forms():
-    from jaxgpt.compile_args import parse_args
+    from jaxgpt.compile.args import parse_args
 
     options, config_argv = parse_args(["compile", "--topology", "v5e:4x4", "--chips_per_host", "2x4", "--json",
                                        "out.json", "--config", "configs/gpt2_124m.py", "--config.mesh.data", "-1",
@@ -444,7 +444,7 @@ COUNTED = TINY[1:-4] + ["--config.model.vocab_size=512", "--config.model.block_s
 @pytest.fixture(scope="module")
 def counted():
     """XLA's counts of the tiny model's train and eval steps, with what it leaves out of their loops added back
-    (jaxgpt.compile_counts): 16 rows at once, and 8 rows twice (grad_accum) with the loss 32 tokens at a time (8
+    (jaxgpt.compile.counts): 16 rows at once, and 8 rows twice (grad_accum) with the loss 32 tokens at a time (8
     chunks a micro-batch)."""
     from jaxgpt.cli import parse_config
 

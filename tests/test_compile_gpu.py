@@ -1,4 +1,4 @@
-"""jaxgpt.compile for GPU topologies (jaxgpt.gpus, jaxgpt.compile_gpu): the programs compiled for
+"""jaxgpt.compile for GPU topologies (jaxgpt.compile.gpus, jaxgpt.compile.gpu): the programs compiled for
 8 H100s without a GPU, their memory against the GPU's and the bound from the model's FLOP count;
 every GPU's description accepted by XLA; the one-line errors. With the gpu extra (JAX's CUDA
 plugin and ptxas) the compiles run; without it they skip, as the TPU ones do without libtpu."""
@@ -12,8 +12,10 @@ import pytest
 from processes import ROOT, finished, with_devices
 
 from jaxgpt import compile as ahead
-from jaxgpt import compile_gpu, gpus, platforms
-from jaxgpt.compile_table import format_report
+from jaxgpt import platforms
+from jaxgpt.compile import gpu as compile_gpu
+from jaxgpt.compile import gpus
+from jaxgpt.compile.table import format_report
 
 # the smallest program of each kind: one layer, no accumulation loop, one new token
 TINY = ["--config.model.vocab_size=256", "--config.model.n_layer=1", "--config.model.n_head=4",
@@ -62,7 +64,7 @@ def test_an_unknown_chip_lists_the_tpus_and_the_gpus():
 
 
 def test_chips_per_host_is_refused_for_a_gpu_topology():
-    from jaxgpt.compile_args import UsageError, parse_args
+    from jaxgpt.compile.args import UsageError, parse_args
 
     with pytest.raises(UsageError, match=r"a GPU topology names its own \(--topology=h100:2x8"):
         parse_args(["compile", "--topology=h100:8", "--chips_per_host=2x4"])
@@ -199,7 +201,8 @@ def test_the_micro_batch_planners_line_is_jaxgpts_not_xlas(tmp_path):
 def test_every_gpus_description_is_one_xla_accepts():
     script = """
 import json
-from jaxgpt import compile_gpu, gpus
+from jaxgpt.compile import gpu as compile_gpu
+from jaxgpt.compile import gpus
 out = {}
 for name in gpus.GPUS:
     devices = compile_gpu.topology_devices(f"{name}:2x8")

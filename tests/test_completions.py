@@ -1,4 +1,4 @@
-"""Completions of records (jaxgpt.completions, eval.py --records, sample.py --record): the scores
+"""Completions of records (jaxgpt.score.completions, eval.py --records, sample.py --record): the scores
 on worked examples, the prompt and reference of hand-built examples, greedy answers against a
 hand-rolled greedy loop over GPT.apply, prompts formatted against templates rendered by hand,
 and train.py → eval.py --records → sample.py --record end to end."""
@@ -16,7 +16,8 @@ from scripts import load_script
 from test_model import forward, random_params
 
 from jaxgpt import GPTConfig, tokenizers
-from jaxgpt.completions import (
+from jaxgpt.data import Examples
+from jaxgpt.score.completions import (
     evaluate_completions,
     exact_match,
     greedy_completions,
@@ -27,7 +28,6 @@ from jaxgpt.completions import (
     templates_named,
     token_f1,
 )
-from jaxgpt.data import Examples
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Question: 12+345=\nAnswer: 0123456789 User Assistant hi yo ### Instruction Response Input Context ()"

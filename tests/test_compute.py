@@ -10,8 +10,9 @@ import pytest
 from runs import tiny_config, trained_run
 from test_run import assert_trees_close, corpus, final_params  # noqa: F401  (corpus: the fixture)
 
-from jaxgpt import ComputeConfig, sampling
-from jaxgpt.run import load_run, train
+from jaxgpt import ComputeConfig
+from jaxgpt.decode import sampling
+from jaxgpt.train.run import load_run, train
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from jaxgpt import ComputeConfig, GPTConfig
 from jaxgpt.config import default_config
 from jaxgpt.errors import ConfigError
 from jaxgpt.model_config import split_model
-from jaxgpt.run import compute_config
+from jaxgpt.train.run import compute_config
 
 
 def test_defaults_are_gpt2():

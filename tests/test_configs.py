@@ -8,7 +8,7 @@ import pytest
 
 from jaxgpt import GPT, param_count
 from jaxgpt.config import load_config
-from jaxgpt.run import model_config
+from jaxgpt.train.run import model_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.py"))
 

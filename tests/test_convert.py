@@ -18,9 +18,11 @@ from runs import write_run
 from safetensors.numpy import load_file, save_file
 from test_model import random_params
 
-from jaxgpt import ComputeConfig, GPTConfig, convert, export, rundir, sampling, text, tokenizers
+from jaxgpt import ComputeConfig, GPTConfig, convert, export, tokenizers
+from jaxgpt.decode import sampling, text
 from jaxgpt.model import GPT
-from jaxgpt.run import load_run
+from jaxgpt.train import rundir
+from jaxgpt.train.run import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ("The king speaks to the queen. Then the lord goes there, and now the lady comes here!\n" * 12
@@ -374,8 +376,8 @@ def test_fine_tuning_from_a_checkpoint_runs_end_to_end(tmp_path, checkpoint):
     the run's block size) and lowers the held-out loss from there."""
     from jaxgpt import data
     from jaxgpt.config import default_config
-    from jaxgpt.run import train
-    from jaxgpt.training import loss_fn
+    from jaxgpt.train.run import train
+    from jaxgpt.train.step import loss_fn
 
     corpus_file = tmp_path / "corpus.txt"
     corpus_file.write_text(TEXT * 4)

@@ -21,9 +21,11 @@ from scripts import load_script
 from test_choices import float64_score
 from test_model import random_params
 
-from jaxgpt import GPTConfig, export, likelihood, rundir, tokenizers
+from jaxgpt import GPTConfig, export, tokenizers
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.model import GPT
+from jaxgpt.score import likelihood
+from jaxgpt.train import rundir
 
 lm_eval = pytest.importorskip("lm_eval", reason="the harness tests need the eval extra: pip install -e '.[eval]'")
 harness = pytest.importorskip("jaxgpt.harness")

@@ -13,7 +13,7 @@ from jaxgpt.config import default_config
 from jaxgpt.errors import ConfigError
 from jaxgpt.model import CausalSelfAttention
 from jaxgpt.model_config import ComputeConfig, GPTConfig, check_kernel, needs
-from jaxgpt.opening import compute_config
+from jaxgpt.train.opening import compute_config
 
 
 def tiny(**changes) -> GPTConfig:

@@ -17,36 +17,30 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxgpt"
 
-# Lowest first. ops ← model ← (sampling, training) ← run ← CLIs; data, tokenizers and optim
-# know nothing of the model; checkpoint, sharding and metrics are leaf utilities.
+# Lowest first. ops ← model ← (decode, train) ← compile ← CLIs; data, tokenizers and optim
+# know nothing of the model; checkpoint, sharding and metrics are leaf utilities. A package
+# (decode, score, train, compile, sweep, loss, optim) is one unit: its modules may import each other.
 LAYERS = (
-    ("errors", "files", "lazy", "ops", "blocks", "multi_token", "axes", "platforms", "gpus"),
-    # blocks: their names and layer layouts; axes: the mesh's names; platforms: JAX's;
-    # gpus: the GPUs jaxgpt.compile describes to XLA; multi_token: the targets k ahead
+    ("errors", "files", "lazy", "ops", "blocks", "axes", "platforms"),
+    # blocks: their names and layer layouts; axes: the mesh's names; platforms: JAX's
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
-    # registries of forms, kernels, schemes; muon: NS over banks; chunked: the loss a chunk of tokens at a time;
-    # stack: the blocks composed, with value embeddings and U-net skips; previous: what a token takes from the
-    # token before it (smear, bigram hash)
-    ("attention", "positions", "muon", "chunked", "stack", "previous"),
-    ("model_config", "optim"),  # validate names against those registries; optim: the optimizers config checks
+    # registries of forms, kernels, schemes; stack: the blocks composed, with value embeddings and U-net skips;
+    # previous: what a token takes from the token before it (smear, bigram hash)
+    ("attention", "positions", "stack", "previous"),
+    ("model_config", "optim"),  # validate names against those registries; optim: the optimizers and Muon's banks
     ("data_config", "batch_schedule"),  # the data section of the schema; the rows of each step
     ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),
-    ("loss",),  # what the model says of its targets: the loss and log-probabilities, whole or a chunk at a time
-    ("training", "decoding", "convert", "quantize"),
-    # likelihood: scores of continuations and texts; micro_batch: the rows per device a step takes
-    ("evaluation", "sampling", "beam", "rundir", "likelihood", "micro_batch"),
-    ("text", "preflight"),  # preflight: what a run is checked against before its first step
-    # opening: a run opened in order (the directory, the config, its checks, the mesh, the data, the state);
-    # completions: records' prompts answered and scored, the final sample of a records run
-    ("opening", "completions"),
-    ("run", "choices"),  # choices: multiple-choice items scored, the harness's accuracies
-    # jaxgpt.compile's command line, its report's table, GPUs, what XLA's counts of loops leave out
-    ("compile_args", "compile_table", "compile_gpu", "compile_counts"),
-    ("viz", "compile"),  # compile: the programs of run, compiled ahead of time
-    ("sweep_summary",),  # a sweep's summary.csv, summary.md and val_loss.png, from its cells' run directories
-    ("analysis", "export", "sweep", "harness"),  # harness: the lm-evaluation-harness's model "jaxgpt"
+    # what the model says of its targets: the loss and log-probabilities, whole or a chunk at a time, k tokens ahead
+    ("loss",),
+    ("convert", "quantize"),
+    ("decode",),  # generation: the next-token logits, sampling, beam search, text in and out
+    ("score",),  # likelihoods, multiple choice, records' prompts answered
+    ("train",),  # a run opened and checked, its step, evaluation, the loop, run directories
+    ("viz", "compile"),  # compile: train's programs compiled ahead of time for TPU and GPU targets
+    ("analysis", "export", "harness"),  # harness: the lm-evaluation-harness's model "jaxgpt"
+    ("sweep",),  # experiments: grids and ablations of ordinary runs, and their summary
     ("jaxgpt",),  # the package's __init__: re-exports for users, never imported from inside
 )
 MAX_MODULE_LINES = 500
@@ -155,7 +149,7 @@ def test_ops_imports_nothing_of_jaxgpt():
 
 @pytest.mark.parametrize("lower", ["data", "tokenizers", "optim"])
 def test_data_tokenizers_and_optim_know_nothing_of_the_model(lower):
-    model_side = {"model", "training", "sampling", "decoding", "beam", "opening", "run", "evaluation", "text", "viz"}
+    model_side = {"model", "train", "decode", "score", "loss", "viz"}
     graph = import_graph()
     bad = [f"{a} imports {b}" for a, targets in graph.items() if unit(a) == lower
            for b in targets if unit(b) in model_side]

@@ -11,7 +11,7 @@ import reference as ref
 from test_model import forward, random_params, tiny, tokens
 
 from jaxgpt import init_cache, ops
-from jaxgpt.sampling import generate
+from jaxgpt.decode.sampling import generate
 
 
 @pytest.mark.parametrize("feature", ["elu+1", "relu"])

@@ -10,8 +10,9 @@ import pytest
 import reference as ref
 from test_model import decode_step_by_step, forward, random_params, tiny, tokens
 
-from jaxgpt import ComputeConfig, GPTConfig, init_cache, sampling
+from jaxgpt import ComputeConfig, GPTConfig, init_cache
 from jaxgpt.attention import KERNELS, Kernel, RingCache, kernels
+from jaxgpt.decode import sampling
 
 
 def close(a, b, tol=1e-5):

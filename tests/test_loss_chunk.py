@@ -15,12 +15,12 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgpt import chunked, ops
-from jaxgpt.likelihood import Row, score_rows
-from jaxgpt.loss import score_targets
+from jaxgpt import ops
+from jaxgpt.loss import chunked, score_targets
 from jaxgpt.model import GPT
 from jaxgpt.model_config import ComputeConfig, GPTConfig
-from jaxgpt.training import init_state, loss_fn, make_eval_step, make_train_step
+from jaxgpt.score.likelihood import Row, score_rows
+from jaxgpt.train.step import init_state, loss_fn, make_eval_step, make_train_step
 
 TESTS = Path(__file__).resolve().parent
 B, T, V = 3, 16, 67  # 48 tokens: chunks of 7 leave a remainder, padded
@@ -201,8 +201,8 @@ def test_the_estimate_and_the_checks_take_a_chunk_larger_than_the_batch_as_one_c
     """A chunk of 10⁹ tokens was estimated as 10⁹ tokens' logits ("the run needs about 514 GiB")
     and refused: a micro-batch of N tokens holds at most N tokens' logits, so the memory check
     passes it and the micro-batch planner chooses as for a chunk of N."""
-    from jaxgpt import micro_batch, preflight
     from jaxgpt.config import TrainConfig
+    from jaxgpt.train import micro_batch, preflight
 
     cfg, huge = tiny(), ComputeConfig(loss_chunk=10**9)
     train = TrainConfig(batch_size=B, grad_accum=1)

@@ -1,4 +1,4 @@
-"""The micro-batch per device (jaxgpt.micro_batch): worked examples of the choice computed by hand
+"""The micro-batch per device (jaxgpt.train.micro_batch): worked examples of the choice computed by hand
 from the docstrings' formulas, explicit sizes winning, the rows per step kept, presets without
 rows_per_step left exactly as they were, and bad sizes refused in one line."""
 
@@ -9,8 +9,17 @@ import pytest
 
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig, load_config
 from jaxgpt.errors import ConfigError
-from jaxgpt.micro_batch import Plan, block_values, chunk_bytes, larger_note, plan, row_bytes, row_margin, state_bytes
 from jaxgpt.model import param_count
+from jaxgpt.train.micro_batch import (
+    Plan,
+    block_values,
+    chunk_bytes,
+    larger_note,
+    plan,
+    row_bytes,
+    row_margin,
+    state_bytes,
+)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 GiB = 2**30
@@ -88,7 +97,7 @@ def test_an_explicit_batch_size_or_grad_accum_wins():
 def test_without_rows_per_step_nothing_changes():
     """The default job and the CPU presets set no rows_per_step: their batch_size and grad_accum as they are."""
     from jaxgpt import sharding
-    from jaxgpt.micro_batch import resolved
+    from jaxgpt.train.micro_batch import resolved
 
     assert plan(train(batch_size=12, grad_accum=3), 8, STATE, ROW, 1.0) == Plan(12, 3)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
@@ -125,7 +134,7 @@ def test_rows_the_mesh_cannot_split_are_refused_before_the_data_is_read():
     micro-batch is made of must split over the mesh's data × fsdp."""
     from types import SimpleNamespace
 
-    from jaxgpt.preflight import check_batch_sizes
+    from jaxgpt.train.preflight import check_batch_sizes
 
     mesh = SimpleNamespace(shape={"data": 4, "fsdp": 2, "tensor": 1})
     with pytest.raises(ValueError, match=r"^train.rows_per_step=500 must be divisible by the mesh's data×fsdp size 8"):
@@ -142,8 +151,8 @@ def test_the_preset_takes_the_micro_batch_that_fits(capsys):
     (row_margin); (32 GiB − STATE)/(6 · that) = 5.1, and of 512's divisors 4 fits: 4 rows in 128
     micro-batches."""
     from jaxgpt import sharding
-    from jaxgpt.micro_batch import resolved
-    from jaxgpt.opening import compute_config, model_config
+    from jaxgpt.train.micro_batch import resolved
+    from jaxgpt.train.opening import compute_config, model_config
 
     config = load_config(CONFIGS / "gpt2_124m.py")
     config.train.memory_limit_gib = 32.0
@@ -210,7 +219,7 @@ def test_a_run_opens_with_the_micro_batch_it_chose_and_records_it(tmp_path):
     the vocabulary its data makes): 2 rows in 4 micro-batches, in the run's train settings and its
     config.json."""
     from jaxgpt import tokenizers
-    from jaxgpt.opening import model_config, open_run
+    from jaxgpt.train.opening import model_config, open_run
     from tests.runs import tiny_config, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt")

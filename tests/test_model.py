@@ -318,7 +318,7 @@ def test_cache_longer_than_block_is_refused():
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_remat_gives_the_same_gradients(dropout):
-    from jaxgpt.training import loss_fn
+    from jaxgpt.train.step import loss_fn
 
     cfg = tiny(dropout=dropout)
     params, x = random_params(cfg), tokens(cfg, 2, 12)

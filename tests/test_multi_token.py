@@ -1,4 +1,4 @@
-"""Multi-token prediction (jaxgpt.multi_token; train.mtp_tokens, mtp_weight, mtp_fraction): the loss
+"""Multi-token prediction (jaxgpt.loss.multi_token; train.mtp_tokens, mtp_weight, mtp_fraction): the loss
 against a float64 loop over packed rows (mask and segments), whole logits and compute.loss_chunk
 alike, gradient accumulation, the weights' schedule, bad input; and one short run with every
 switch of this branch on (smear, bigram, multi-token prediction, scan_layers, the chunked loss)
@@ -17,9 +17,9 @@ from test_run import assert_trees_close, final_params
 from jaxgpt import ComputeConfig
 from jaxgpt.config import TrainConfig, default_config
 from jaxgpt.errors import ConfigError
+from jaxgpt.loss.multi_token import weights_at
 from jaxgpt.model import GPT
-from jaxgpt.multi_token import weights_at
-from jaxgpt.training import TrainState, loss_fn, make_train_step
+from jaxgpt.train.step import TrainState, loss_fn, make_train_step
 
 CFG = tiny()
 WEIGHTS = jnp.array([1.0, 0.5, 0.25])
@@ -92,7 +92,7 @@ def test_bad_settings_are_one_line(changes, message):
 
 
 def test_predicting_past_the_block_is_refused_before_anything_compiles():
-    from jaxgpt.preflight import check_sections
+    from jaxgpt.train.preflight import check_sections
 
     config = default_config()
     config.model.block_size, config.train.mtp_tokens, config.mesh.cpu_devices = 4, 5, 0
@@ -103,7 +103,7 @@ def test_predicting_past_the_block_is_refused_before_anything_compiles():
 
 
 def test_weights_without_targets_ahead_are_said_to_be_unused():
-    from jaxgpt.preflight import unused_settings
+    from jaxgpt.train.preflight import unused_settings
 
     config = default_config()
     notes = unused_settings(config, TrainConfig(mtp_weight=0.3))
@@ -115,7 +115,7 @@ def test_weights_without_targets_ahead_are_said_to_be_unused():
 def test_a_run_with_every_switch_resumes_as_it_would_have_gone_on(tmp_path):
     """smear, the bigram table, multi-token prediction, scan_layers, the chunked loss and two
     micro-batches: 3 steps then 3 more from the checkpoint equal 6 straight."""
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     corpus = write_corpus(tmp_path / "corpus.txt")
     switches = {"model.smear": True, "model.bigram_table": 97, "train.mtp_tokens": 3, "train.mtp_fraction": 1.0,

@@ -145,7 +145,7 @@ from jaxgpt import sharding
 from jaxgpt.checkpoint import Checkpoints
 from jaxgpt.model import param_layout
 from jaxgpt.optim import make_optimizer
-from jaxgpt.training import abstract_state
+from jaxgpt.train.step import abstract_state
 
 train = dataclasses.replace(st.TRAIN, optimizer="muon", schedule="wsd", embed_lr=0.01, scalar_lr=0.002,
                             muon_coeffs="polar_express", normuon=True, cautious_weight_decay=True)
@@ -203,7 +203,7 @@ def test_muon_with_wsd_resumed_equals_uninterrupted(tmp_path, corpus):  # noqa: 
     """Muon with its switches (Polar Express, NorMuon, cautious weight decay) and a batch-size
     schedule of 8 rows a step (two micro-batches) before step 4, then 4: a run stopped at step 3
     and resumed ends where an uninterrupted one does, and both saw 8·4 + 4·2 rows."""
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     muon = {"train.optimizer": "muon", "train.schedule": "wsd", "train.lr": 0.02, "train.embed_lr": 0.01,
             "train.cooldown_fraction": 0.75, "train.muon_coeffs": "polar_express", "train.normuon": True,
@@ -300,7 +300,7 @@ def test_a_state_written_by_optax_muon_resumes_on_the_banks(tmp_path):
     optax's own next update (lr 0.05) to 1e-6."""
     from jaxgpt import sharding
     from jaxgpt.checkpoint import Checkpoints
-    from jaxgpt.training import TrainState, abstract_state, init_state
+    from jaxgpt.train.step import TrainState, abstract_state, init_state
 
     cfg = GPTConfig(**TINY)
     train = TrainConfig(optimizer="muon", lr=0.05, warmup_steps=0, weight_decay=0.1, clip=1.0, steps=10)

@@ -15,9 +15,9 @@ from muon_reference import optax_muon
 from jaxgpt import batch_schedule, layout
 from jaxgpt.config import TrainConfig
 from jaxgpt.errors import ConfigError
-from jaxgpt.micro_batch import plan
-from jaxgpt.muon import newton_schulz, scale_by_neuron_norm
 from jaxgpt.optim import POLAR_EXPRESS, make_optimizer, ns_coefficients
+from jaxgpt.optim.muon import newton_schulz, scale_by_neuron_norm
+from jaxgpt.train.micro_batch import plan
 
 MUON = TrainConfig(optimizer="muon", lr=1.0, min_lr=1.0, warmup_steps=0, weight_decay=0.0, clip=0.0, steps=10)
 # a few parameters as a model declares them: Muon's matrices with batch axes (the layers; Q, K, V), one

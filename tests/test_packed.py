@@ -13,7 +13,7 @@ from jaxgpt import ops
 from jaxgpt.attention import init_cache
 from jaxgpt.config import ComputeConfig, GPTConfig
 from jaxgpt.model import GPT
-from jaxgpt.training import TrainState, loss_fn, make_train_step
+from jaxgpt.train.step import TrainState, loss_fn, make_train_step
 
 LENGTHS = (5, 9, 4)  # three examples packed in a row of 20: 2 positions of padding
 

@@ -86,7 +86,7 @@ from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.model import GPT, param_layout
 from jaxgpt.optim import make_optimizer
 from jaxgpt.sharding import make_mesh
-from jaxgpt.training import abstract_state
+from jaxgpt.train.step import abstract_state
 
 mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 out = {}

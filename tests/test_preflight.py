@@ -1,4 +1,4 @@
-"""What a run is checked against before its first step (jaxgpt.preflight, through opening.open_run
+"""What a run is checked against before its first step (jaxgpt.train.preflight, through opening.open_run
 and train.py): every section of the config, the settings init_from fixes (an explicit one is
 refused, and config.json says what the run really uses), and the share of <|unk|> that a
 tokenizer not trained on the data makes."""
@@ -26,7 +26,7 @@ def corpus(tmp_path_factory):
     ("prompt", "", "sample.prompt='': must be a non-empty string"),
 ])
 def test_an_impossible_sample_setting_stops_the_run_before_the_data_is_read(tmp_path, corpus, key, value, message):
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     config = tiny_config(tmp_path, corpus)
     config.sample[key] = value
@@ -36,7 +36,7 @@ def test_an_impossible_sample_setting_stops_the_run_before_the_data_is_read(tmp_
 
 
 def test_a_mesh_that_does_not_fit_stops_the_run_before_the_data_is_read(tmp_path, corpus):
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     config = tiny_config(tmp_path, corpus)
     config.mesh.data = 3  # one CPU device in this process
@@ -65,7 +65,7 @@ def started_from(tmp_path, corpus, source, run="tuned", **changes):
 
 
 def opened(config, explicit=()):
-    from jaxgpt.run import open_run
+    from jaxgpt.train.run import open_run
 
     run = open_run(config, explicit)
     run.checkpoints.close()
@@ -74,7 +74,7 @@ def opened(config, explicit=()):
 
 
 def test_a_preset_gives_way_to_the_source_and_config_json_says_what_the_run_uses(tmp_path, corpus, source):
-    from jaxgpt.rundir import load_run
+    from jaxgpt.train.rundir import load_run
 
     _, source_cfg, source_tokenizer = load_run(source)
     run = opened(started_from(tmp_path, corpus, source))
@@ -129,7 +129,7 @@ def test_text_the_source_tokenizer_cannot_encode_is_refused_above_data_max_unkno
 def test_a_head_learning_rate_with_tied_embeddings_is_said_to_be_unused(capsys):
     """train.head_lr has no parameter to act on when the unembedding is the token embedding."""
     from jaxgpt.config import TrainConfig, default_config
-    from jaxgpt.preflight import check_sections
+    from jaxgpt.train.preflight import check_sections
 
     config = default_config()
     config.train.head_lr = 0.006

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from test_model import random_params
 
-from jaxgpt import GPT, ComputeConfig, GPTConfig, ops, sampling
+from jaxgpt import GPT, ComputeConfig, GPTConfig, ops
 from jaxgpt.config import default_config
-from jaxgpt.decoding import start_cache
+from jaxgpt.decode import sampling
+from jaxgpt.decode.logits import start_cache
 from jaxgpt.errors import ConfigError
 from jaxgpt.quantize import params_for
-from jaxgpt.run import compute_config
+from jaxgpt.train.run import compute_config
 
 INT8 = ComputeConfig(weights="int8")
 BF16 = ComputeConfig(dtype="bfloat16", param_dtype="bfloat16")

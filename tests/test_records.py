@@ -283,8 +283,8 @@ def records_run_config(tmp_path, run, **changes):
 
 
 def test_records_run_resumes_exactly(tmp_path):
-    from jaxgpt.run import train
-    from jaxgpt.rundir import load_run
+    from jaxgpt.train.run import train
+    from jaxgpt.train.rundir import load_run
 
     first = train(records_run_config(tmp_path, "split", **{"train.steps": 3}))
     resumed = train(records_run_config(tmp_path, "split"))
@@ -305,13 +305,13 @@ def jax_leaves(tree):
 def test_init_from_a_run_directory_takes_its_model_tokenizer_and_params_with_a_fresh_optimizer(tmp_path):
     import jax
 
-    from jaxgpt import rundir
     from jaxgpt.model import param_layout
     from jaxgpt.optim import make_optimizer
-    from jaxgpt.run import init_or_restore, open_run
+    from jaxgpt.train import rundir
+    from jaxgpt.train.run import init_or_restore, open_run
 
     train_source = records_run_config(tmp_path, "source")
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
     train(train_source)
     source_params, source_cfg, source_tokenizer = rundir.load_run(tmp_path / "source")
 

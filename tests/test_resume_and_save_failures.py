@@ -11,7 +11,7 @@ from test_run import cli_args, corpus, run_records, run_train_py, tiny_config  #
 from jaxgpt import ComputeConfig, GPTConfig, tokenizers
 from jaxgpt.config import TrainConfig
 from jaxgpt.errors import TrainingError
-from jaxgpt.rundir import check_same_run
+from jaxgpt.train.rundir import check_same_run
 
 
 def test_a_resume_of_another_model_names_only_the_fields_that_differ(tmp_path):
@@ -35,7 +35,7 @@ def test_a_deleted_config_and_another_model_keep_every_checkpoint(tmp_path, corp
     """config.json deleted, the run resumed with another d_model: refused in one line that
     names the shapes (d_model 16 → 32 with 2 heads: the attention's input kernel d_model × 3 ×
     heads × d_model/heads), nothing moved, and the right config resumes from the last step."""
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     train(tiny_config(tmp_path, corpus))  # checkpoints at steps 3 and 6
     (tmp_path / "run" / "config.json").unlink()

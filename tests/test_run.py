@@ -1,4 +1,4 @@
-"""Whole runs (jaxgpt.run and train.py): resume, checkpoints kept and damaged, failures, the
+"""Whole runs (jaxgpt.train.run and train.py): resume, checkpoints kept and damaged, failures, the
 CLI, kill -9, several processes, signals, and a run directory from before the restructure."""
 
 import json
@@ -30,7 +30,7 @@ def final_params(run_dir, step=None):
     from jaxgpt.blocks import layers_as
     from jaxgpt.checkpoint import Checkpoints
     from jaxgpt.model import GPT
-    from jaxgpt.rundir import saved_compute
+    from jaxgpt.train.rundir import saved_compute
 
     saved = json.loads((Path(run_dir) / "config.json").read_text())
     written = saved_compute(saved)  # the layout and dtype its checkpoints hold
@@ -49,7 +49,7 @@ def assert_trees_close(a, b, atol):
 
 
 def test_resume_equals_uninterrupted(tmp_path, tmp_path_factory, corpus):
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     first = train(tiny_config(tmp_path, corpus, "split", **{"train.steps": 3}))
     assert first["step"] == 3
@@ -64,7 +64,7 @@ def test_resume_equals_uninterrupted(tmp_path, tmp_path_factory, corpus):
 
 def test_keeps_last_checkpoints_and_best_by_validation_loss(tmp_path, corpus):
     from jaxgpt.checkpoint import Checkpoints
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     train(tiny_config(tmp_path, corpus, **{"train.steps": 12, "train.ckpt_every": 2, "train.eval_every": 4,
                                           "train.keep_checkpoints": 2}))
@@ -78,7 +78,7 @@ def test_keeps_last_checkpoints_and_best_by_validation_loss(tmp_path, corpus):
 
 
 def test_resume_modes_and_another_model_in_the_run_dir(tmp_path, corpus):
-    from jaxgpt.run import TrainingError, train
+    from jaxgpt.train.run import TrainingError, train
 
     with pytest.raises(TrainingError, match="resume='must' but .* has no checkpoint"):
         train(tiny_config(tmp_path, corpus, **{"train.steps": 3}, resume="must"))
@@ -91,7 +91,7 @@ def test_resume_modes_and_another_model_in_the_run_dir(tmp_path, corpus):
 
 @pytest.mark.parametrize("damage", ["arrays", "everything"])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, caplog, damage):
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     train(tiny_config(tmp_path, corpus))  # checkpoints at steps 3 and 6
     for f in (tmp_path / "run" / "checkpoints" / "6").rglob("*"):
@@ -107,7 +107,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, 
 
 
 def test_nan_loss_stops_the_run_naming_the_step(tmp_path, corpus):
-    from jaxgpt.run import TrainingError, train
+    from jaxgpt.train.run import TrainingError, train
 
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step \d+: stopping"):
         train(tiny_config(tmp_path, corpus, **{"train.lr": 1e30, "train.clip": 0.0, "train.steps": 6}))
@@ -246,7 +246,7 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path, corpus):
 
 def test_run_directory_written_before_the_restructure_samples_and_resumes(tmp_path, corpus, capsys):
     """tests/data/run_v0 was written by train.py at commit aadd5cf, before the loop moved into
-    jaxgpt.run and data and sampling were split, and before a model's identity and its compute
+    jaxgpt.train.run and data and sampling were split, and before a model's identity and its compute
     settings were: configs/default.py with TINY_OVERRIDES and train.steps=3 on write_corpus's
     text, one CPU device (the three steps' config.json, tokenizer.json, checkpoint and metrics,
     as they were). Today's code samples from it, and resumes it at step 3 to step 6 from its
@@ -254,7 +254,7 @@ def test_run_directory_written_before_the_restructure_samples_and_resumes(tmp_pa
     cannot be compared with a run of today's code; run_v1's can.)"""
     from scripts import load_script
 
-    from jaxgpt.run import load_run, train
+    from jaxgpt.train.run import load_run, train
 
     old = tmp_path / "old"
     shutil.copytree(TESTS / "data" / "run_v0", old)
@@ -281,7 +281,7 @@ def test_run_directory_written_by_todays_code_resumes_where_an_uninterrupted_run
     uninterrupted run of today's code ends."""
     from scripts import load_script
 
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     run = tmp_path / "v1"
     shutil.copytree(TESTS / "data" / "run_v1", run)
@@ -305,7 +305,7 @@ def run_records(run_dir: Path) -> list[int]:
 
 
 def test_garbage_in_one_steps_metrics_keeps_every_checkpoint(tmp_path, corpus):
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     train(tiny_config(tmp_path, corpus))  # checkpoints 3 and 6, both evaluated
     run = tmp_path / "run"
@@ -316,7 +316,7 @@ def test_garbage_in_one_steps_metrics_keeps_every_checkpoint(tmp_path, corpus):
 
 
 def test_flipped_bytes_in_the_newest_checkpoint_fall_back_to_the_previous(tmp_path, corpus, caplog):
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     train(tiny_config(tmp_path, corpus))
     run = tmp_path / "run"
@@ -332,7 +332,7 @@ def test_flipped_bytes_in_the_newest_checkpoint_fall_back_to_the_previous(tmp_pa
 
 
 def test_resume_whose_data_makes_another_tokenizer_refuses(tmp_path, corpus):
-    from jaxgpt.run import TrainingError, train
+    from jaxgpt.train.run import TrainingError, train
 
     train(tiny_config(tmp_path, corpus))
     pinned = (tmp_path / "run" / "tokenizer.json").read_bytes()
@@ -348,7 +348,7 @@ def test_resume_whose_data_makes_another_tokenizer_refuses(tmp_path, corpus):
 def test_a_non_finite_state_is_never_checkpointed(tmp_path, corpus):
     """eps = 0 divides zero by zero in AdamW where a gradient is zero (the rows of an untied
     embedding that no batch uses): NaN parameters after step 1, which are never saved."""
-    from jaxgpt.run import TrainingError, train
+    from jaxgpt.train.run import TrainingError, train
 
     config = tiny_config(tmp_path, corpus, **{"train.eps": 0.0, "train.ckpt_every": 1, "model.tie_embeddings": False})
     with pytest.raises(TrainingError, match=r"step 1: \['(opt_state|params)'\]\S* holds NaN or infinite values; "
@@ -359,7 +359,7 @@ def test_a_non_finite_state_is_never_checkpointed(tmp_path, corpus):
 
 def test_an_impossible_model_is_refused_before_anything_is_allocated(tmp_path, corpus):
     from jaxgpt.errors import ConfigError
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     # 16e9 parameters × 20 B (each, float32, with two gradients and two moments) + 64 tokens × 4·1e9 bytes of
     # float32 logits ≈ 5.76e11 B = 536 GiB
@@ -374,7 +374,7 @@ def test_an_impossible_model_is_refused_before_anything_is_allocated(tmp_path, c
 
 def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, corpus):
     from jaxgpt.errors import ConfigError
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     (tmp_path / "run").write_text("not a directory")
     with pytest.raises(ConfigError, match="is a file, not a directory: choose another --config.run_dir"):
@@ -384,7 +384,7 @@ def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, corpus):
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes whatever the permissions say")
 def test_a_read_only_run_dir_is_a_one_line_error(tmp_path, corpus):
     from jaxgpt.errors import ConfigError
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run").chmod(0o555)
@@ -476,7 +476,7 @@ def test_killed_three_times_ends_bit_for_bit_where_an_uninterrupted_run_ends(tmp
 
 def test_every_checkpoint_damaged_is_a_one_line_error(tmp_path, corpus):
     from jaxgpt.checkpoint import CheckpointError
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     train(tiny_config(tmp_path, corpus))
     for f in (tmp_path / "run" / "checkpoints").rglob("*"):
@@ -529,7 +529,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_from_the_last_good
 def poisoned_train_step(monkeypatch, bad_step: int):
     """Make the run's train step report a NaN loss at `bad_step` (its parameters stay finite,
     so only the loss guard can stop the run)."""
-    from jaxgpt import run as run_module
+    from jaxgpt.train import run as run_module
 
     real = run_module.make_train_step
 
@@ -549,7 +549,7 @@ def poisoned_train_step(monkeypatch, bad_step: int):
 def test_a_nan_loss_stops_the_run_naming_its_step_and_nothing_after_it_is_saved(tmp_path, corpus, monkeypatch,
                                                                                 bad_step):
     from jaxgpt.checkpoint import Checkpoints
-    from jaxgpt.run import TrainingError, train
+    from jaxgpt.train.run import TrainingError, train
 
     poisoned_train_step(monkeypatch, bad_step)
     config = tiny_config(tmp_path, corpus, **{"train.steps": 12, "train.log_every": 4, "train.ckpt_every": 3,
@@ -567,7 +567,7 @@ def test_every_log_eval_and_save_step_writes_one_record_and_log_steps_do_not_wai
     """A log step's metrics are read only after the next step was dispatched; a step that
     evaluates or saves reads its own at once."""
     from jaxgpt import metrics
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     reads = []  # (the step read up to, the newest step dispatched by then)
     fetch = metrics.Meter.fetch
@@ -587,7 +587,7 @@ def test_evaluation_and_checkpoint_seconds_are_reported_and_left_out_of_tokens_p
                                                                                        capsys):
     import time
 
-    from jaxgpt import run as run_module
+    from jaxgpt.train import run as run_module
 
     evaluate = run_module.evaluate
 
@@ -684,7 +684,7 @@ def test_an_end_sample_whose_prompt_the_data_cannot_encode_warns_and_the_run_exi
 
 
 def test_a_finished_run_asked_for_fewer_steps_says_so_and_keeps_its_config(tmp_path, corpus, capsys):
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     train(tiny_config(tmp_path, corpus))  # 6 steps
     saved = (tmp_path / "run" / "config.json").read_bytes()

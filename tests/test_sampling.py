@@ -1,4 +1,4 @@
-"""Sampling (jaxgpt.sampling, jaxgpt.decoding, jaxgpt.beam, jaxgpt.text): the filters against
+"""Sampling (jaxgpt.decode.sampling, jaxgpt.decode.logits, jaxgpt.decode.beam, jaxgpt.decode.text): the filters against
 worked examples and NumPy, generate and beam search against naive float64 recomputation
 (tests/reference.py) and enumeration, and sample.py end to end."""
 
@@ -23,9 +23,10 @@ from runs import save_params, write_run
 from scripts import load_script
 from test_model import random_params as uncommitted_random_params
 
-from jaxgpt import ComputeConfig, GPTConfig, beam, sampling, tokenizers
-from jaxgpt.run import load_run
-from jaxgpt.text import generate_text
+from jaxgpt import ComputeConfig, GPTConfig, tokenizers
+from jaxgpt.decode import beam, sampling
+from jaxgpt.decode.text import generate_text
+from jaxgpt.train.run import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "none"]

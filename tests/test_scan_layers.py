@@ -68,7 +68,7 @@ def test_a_seed_initialises_the_same_weights_in_either_layout(changes):
     """The layout is how the model runs: a run from scratch with scan_layers starts from the per-layer run's
     weights (the train state's params, as train.py initialises them), stacked."""
     from jaxgpt.optim import make_optimizer
-    from jaxgpt.training import init_state
+    from jaxgpt.train.step import init_state
 
     cfg = tiny(**{"n_layer": 3, **changes})
     loop, scanned = (init_state(model, make_optimizer(TrainConfig(), param_layout(model)), 7).params
@@ -115,7 +115,7 @@ def test_a_scanned_run_resumes_in_either_layout(tmp_path, corpus):  # noqa: F811
     """Stacked checkpoints resume stacked, and (a compute setting like any other) per layer."""
     from test_run import assert_trees_close, final_params, tiny_config
 
-    from jaxgpt.run import train
+    from jaxgpt.train.run import train
 
     scanned = {"compute.scan_layers": True, "model.n_layer": 2}
     train(tiny_config(tmp_path, corpus, "split", **scanned, **{"train.steps": 3}))

@@ -197,8 +197,8 @@ def test_a_records_run_resumes_exactly(tmp_path):
     """Packed records, trained with Muon (and AdamW for the tables and scalars), resumed."""
     from test_records import records_run_config
 
-    from jaxgpt.run import train
-    from jaxgpt.rundir import load_run
+    from jaxgpt.train.run import train
+    from jaxgpt.train.rundir import load_run
 
     model = {"model.n_layer": 2, "model.value_embeds": ((0, -1),), "model.unet_skips": True, "train.optimizer": "muon"}
     first = train(records_run_config(tmp_path, "split", **model, **{"train.steps": 3}))

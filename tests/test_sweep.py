@@ -11,7 +11,7 @@ import pytest
 from test_run import ROOT, write_corpus
 
 from jaxgpt.sweep import main
-from jaxgpt.sweep_summary import to_target
+from jaxgpt.sweep.summary import to_target
 
 TINY = ["--config.model.n_layer=1", "--config.model.n_head=2", "--config.model.d_model=16",
         "--config.model.block_size=16", "--config.train.steps=2", "--config.train.eval_every=2",

@@ -15,7 +15,7 @@ from jaxgpt import GPTConfig, sharding
 from jaxgpt.config import TrainConfig
 from jaxgpt.model import param_layout
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
-from jaxgpt.training import init_state, make_train_step
+from jaxgpt.train.step import init_state, make_train_step
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -135,7 +135,7 @@ def test_a_repeated_run_loads_its_programs_from_the_compilation_cache(tmp_path):
 def test_a_seeded_step_draws_dropout_with_the_key_of_seed_and_step():
     """seeded(train_step)(state, batch, seed) is train_step with key fold_in(key(seed), step):
     the key the loop made on the host before, so runs and resumes draw the same dropout."""
-    from jaxgpt.training import seeded
+    from jaxgpt.train.step import seeded
 
     cfg = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, d_model=16, dropout=0.5)
     optimizer, schedule = make_optimizer(TRAIN, param_layout(cfg)), learning_rate_schedule(TRAIN)
@@ -155,7 +155,7 @@ def test_a_seeded_step_draws_dropout_with_the_key_of_seed_and_step():
 def test_the_init_program_compiled_for_speed_of_compiling_gives_the_default_values():
     """sharded_init compiles its program with INIT_COMPILER_OPTIONS (a lighter LLVM pipeline):
     its state must be the one XLA's default compilation of the same init gives, bit for bit."""
-    from jaxgpt.training import sharded_init
+    from jaxgpt.train.step import sharded_init
 
     cfg = GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=32)
     optimizer = make_optimizer(TrainConfig(steps=10, warmup_steps=1), param_layout(cfg))

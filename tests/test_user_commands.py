@@ -133,7 +133,7 @@ def test_init_from_a_scanned_run_with_every_speedrun_switch_starts_from_its_weig
     """A run trained with compute.scan_layers (every speedrun switch on) is fine-tuned on the machine's
     default devices, into either layout: the new run starts from the source's weights (steps at learning
     rates of 1e-30 leave them as they were), placed on its own mesh."""
-    from jaxgpt.rundir import load_run
+    from jaxgpt.train.rundir import load_run
 
     home, tuned_dir = scanned_source, f"runs/tuned_{scan_layers}"
     tuned = run(TRAIN_PLUS, home, "--config.init_from=runs/source", f"--config.compute.scan_layers={scan_layers}",

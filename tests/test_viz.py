@@ -16,7 +16,7 @@ from runs import write_run
 from test_model import random_params
 
 from jaxgpt import GPT, GPTConfig, tokenizers, viz
-from jaxgpt.run import load_run
+from jaxgpt.train.run import load_run
 
 TEXT = "def add(a, b):\n    return a + b\n"  # 16 characters + 4 special tokens
 PROMPT = "def add(a, b):"

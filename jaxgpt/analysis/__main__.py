@@ -21,7 +21,7 @@ from jaxgpt.analysis import circuits
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.errors import tidy_cli_output
 from jaxgpt.files import unwritable, writable_directory, write_json
-from jaxgpt.run import load_run
+from jaxgpt.train.run import load_run
 
 
 def parse_args(argv):

@@ -111,7 +111,7 @@ class Form(NamedTuple):
     slots_by_position: its cache holds each token in the slot of its position, so a read may
       start at any position of a row, a token read again rewrites its own slot, and a slot
       past what a row has read is attended by no query before it is written (softmax's KV
-      cache; jaxgpt.likelihood reads contexts and continuations in windows through it).
+      cache; jaxgpt.score.likelihood reads contexts and continuations in windows through it).
     """
 
     attend: Callable[..., tuple[jax.Array, Any]]

@@ -110,7 +110,7 @@ class Kernel:
     sliding window (attention='local'). segments: it keeps packed examples apart (a Where's
     segments). dtypes: the compute dtypes it computes in; None: any. fused: the (T, S) weights
     never reach memory (a fused kernel), so a train step keeps none of them per layer
-    (jaxgpt.micro_batch.row_bytes)."""
+    (jaxgpt.train.micro_batch.row_bytes)."""
 
     fn: Callable
     backend: str | None

@@ -16,7 +16,7 @@ Without the harness installed the package still imports, so that `python -m jaxg
 can say in one line what to install (HARNESS_MISSING is then the ImportError).
 
 `jaxgpt.harness.model` holds the model, `jaxgpt.harness.args` checks its model_args,
-`jaxgpt.harness.preload` loads its run ahead; `jaxgpt.likelihood` computes its scores.
+`jaxgpt.harness.preload` loads its run ahead; `jaxgpt.score.likelihood` computes its scores.
 """
 
 from jaxgpt.harness.args import ModelArgsError

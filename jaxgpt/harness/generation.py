@@ -1,5 +1,5 @@
 """Generation for the harness's generate_until: batches of prompts decoded by
-`jaxgpt.sampling.stream` (the compiled step of `generate`, with the KV cache) until every row
+`jaxgpt.decode.sampling.stream` (the compiled step of `generate`, with the KV cache) until every row
 has drawn <|eos|>, written one of the stop strings, or drawn max_new_tokens tokens."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxgpt import sampling
 from jaxgpt.config import GPTConfig
+from jaxgpt.decode import sampling
 from jaxgpt.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -2,10 +2,10 @@
 
 - loglikelihood (context, continuation) → (log p(continuation | context), greedy?): encoded as
   the harness encodes for every causal model (`TemplateLM`), scored by
-  `jaxgpt.likelihood.score_continuations`; a context longer than the block is cut from the left.
+  `jaxgpt.score.likelihood.score_continuations`; a context longer than the block is cut from the left.
 - loglikelihood_rolling (text,) → log p(text | <|eos|>) over the windows of jaxgpt's own
-  evaluation (`jaxgpt.likelihood.score_texts`; stride: model_args, else the run's eval_stride).
-- generate_until (context, gen_kwargs) → the text `jaxgpt.sampling.stream` draws (its jitted step,
+  evaluation (`jaxgpt.score.likelihood.score_texts`; stride: model_args, else the run's eval_stride).
+- generate_until (context, gen_kwargs) → the text `jaxgpt.decode.sampling.stream` draws (its jitted step,
   greedy unless the task samples), up to max_gen_toks tokens or <|eos|>, stopped and cut at the
   first of the task's `until` strings. The context keeps its last block_size − max_gen_toks
   tokens, as the harness's hf backend keeps them.
@@ -27,10 +27,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm.auto import tqdm
 
-from jaxgpt import likelihood
 from jaxgpt.harness import preload
 from jaxgpt.harness.args import DEFAULT_BATCH_SIZE, KNOWN, ModelArgsError, check_args, parse_batch_size
 from jaxgpt.harness.generation import generate_texts
+from jaxgpt.score import likelihood
 
 log = logging.getLogger(__name__)
 MAX_GEN_TOKS = 256  # the harness's default for a task that names none

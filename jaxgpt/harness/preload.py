@@ -1,7 +1,7 @@
 """The run of the model "jaxgpt", loaded and its scoring programs compiled on a thread of its own.
 
 `python -m jaxgpt.harness` starts this as soon as its model_args are checked, so that the run
-loads and `jaxgpt.likelihood.prepare` compiles the programs (two at most, whatever the lengths)
+loads and `jaxgpt.score.likelihood.prepare` compiles the programs (two at most, whatever the lengths)
 while the harness imports itself and indexes and builds its tasks; the model, when the harness
 builds it, takes the loaded run, and its first requests wait for the compiles. A run that
 cannot be loaded (a bad step, a broken checkpoint, a stride past the block) interrupts the
@@ -40,9 +40,9 @@ class Loaded:
 def load(run_dir, step: int | None, stride: int | None) -> Loaded:
     """The run's params (the checkpoint at `step`, else the best), config, tokenizer, model and
     rolling stride; ModelArgsError for a run, step or stride that cannot be used."""
-    from jaxgpt import rundir
     from jaxgpt.checkpoint import CheckpointError
     from jaxgpt.model import GPT
+    from jaxgpt.train import rundir
 
     try:
         params, config, tokenizer = rundir.load_run(run_dir, step=step)
@@ -70,9 +70,9 @@ class Background:
 
     def __init__(self, batch_size: int, *, args: ModelArgs | None = None, loaded: Loaded | None = None,
                  interrupt_main: bool = False):
-        import jaxgpt.likelihood
         import jaxgpt.model
-        import jaxgpt.rundir  # noqa: F401  imported here: two threads importing at once can deadlock on a cycle
+        import jaxgpt.score.likelihood
+        import jaxgpt.train.rundir  # noqa: F401  imported here: two threads importing at once can deadlock on a cycle
 
         self.args, self._loaded, self.error, self.claimed = args, loaded, None, False
         self._ready, self._lock, self._waited = threading.Event(), threading.Lock(), False
@@ -93,7 +93,7 @@ class Background:
             return
         self._ready.set()
         try:
-            from jaxgpt import likelihood
+            from jaxgpt.score import likelihood
 
             likelihood.prepare(self._loaded.model, self._loaded.params, batch_size)
         except Exception as err:  # noqa: BLE001  the programs then compile when first used, and fail there

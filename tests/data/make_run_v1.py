@@ -12,7 +12,7 @@ sys.path.insert(0, str(TESTS))
 
 from test_run import tiny_config, write_corpus  # noqa: E402
 
-from jaxgpt.run import train  # noqa: E402
+from jaxgpt.train.run import train  # noqa: E402
 
 
 def main():

@@ -12,9 +12,9 @@
     the record      config.json (the config as resolved) and tokenizer.json, by the lead process
     the state       init_or_restore: the newest intact checkpoint, init_from's params, or fresh
 
-jaxgpt.run calls open_run, then init_or_restore while XLA compiles the train step; sweep.py asks
+jaxgpt.train.run calls open_run, then init_or_restore while XLA compiles the train step; sweep.py asks
 check_config, the part that needs no data, of every cell before it trains the first. The checks
-live in jaxgpt.preflight; reading run directories and init_from's sources in jaxgpt.rundir.
+live in jaxgpt.train.preflight; reading run directories and init_from's sources in jaxgpt.train.rundir.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
-from jaxgpt import data, micro_batch, rundir
+from jaxgpt import data
 from jaxgpt.blocks import layers_as
 from jaxgpt.checkpoint import CHECKPOINT_DIR, Checkpoints
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
@@ -40,9 +40,10 @@ from jaxgpt.lock import LOCK_FILE, LockHeld, RunLock
 from jaxgpt.model import GPT, param_layout
 from jaxgpt.model_config import check_kernel
 from jaxgpt.optim import make_optimizer
-from jaxgpt.preflight import check_memory, check_sections, check_unknown, start_from
-from jaxgpt.rundir import TOKENIZER_FILE
-from jaxgpt.training import TrainState, abstract_state, initialise_into
+from jaxgpt.train import micro_batch, rundir
+from jaxgpt.train.preflight import check_memory, check_sections, check_unknown, start_from
+from jaxgpt.train.rundir import TOKENIZER_FILE
+from jaxgpt.train.step import TrainState, abstract_state, initialise_into
 
 
 @dataclasses.dataclass

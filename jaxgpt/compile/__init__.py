@@ -7,12 +7,12 @@ The train step exactly as train.py builds it (run.lower_train_step: its mesh, gr
 remat, dtype, attention kernel, scan_layers), the eval step as evaluation.py jits it, and
 the jitted generate with its KV cache (one prompt of one bucket), each compiled for a TPU
 topology through libtpu or a GPU one through JAX's CUDA plugin (no TPU or GPU needed, however
-many hosts it has: jaxgpt.compile_gpu) or, with no --topology
+many hosts it has: jaxgpt.compile.gpu) or, with no --topology
 (or `train.py --config.compile_only=True`), for this process's devices (on a CPU,
 mesh.cpu_devices of them, as train.py makes them). Nothing is
 allocated: the state is abstract_state's shapes. One table per device: the memory of each
 program (the parts XLA allocates and their sum, and XLA's peak beside them: memory_figures)
-against the budget of a device that the micro-batch is chosen by (jaxgpt.micro_batch.budget: the
+against the budget of a device that the micro-batch is chosen by (jaxgpt.train.micro_batch.budget: the
 chip's HBM, a GPU's share for XLA, on a CPU its share of the RAM), XLA's FLOPs and bytes
 accessed, a roofline bound on the time (the larger of FLOPs / peak and bytes / bandwidth) with
 the tokens/s and MFU it allows (upper bounds from the compiler's counts; XLA has none for GPUs,
@@ -32,12 +32,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxgpt import compile_gpu, gpus
-from jaxgpt.compile_table import GiB, budget_name, format_report, size
+from jaxgpt.compile import gpu as compile_gpu
+from jaxgpt.compile import gpus
+from jaxgpt.compile.table import GiB, budget_name, format_report, size
 from jaxgpt.errors import stderr_kept
 from jaxgpt.platforms import tpu_present
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
 INSTALL = "pip install -e '.[tpu]'"
 
 
@@ -175,7 +176,7 @@ def known_vocab_size(config) -> int | None:
     run directory's tokenizer.json, a tokenizer file data.tokenizer names, or the token cache
     the data was prepared into. None when there is none yet."""
     from jaxgpt import data, tokenizers
-    from jaxgpt.rundir import TOKENIZER_FILE
+    from jaxgpt.train.rundir import TOKENIZER_FILE
 
     pinned = Path(config.run_dir or "") / TOKENIZER_FILE
     if config.run_dir and pinned.is_file():
@@ -192,11 +193,13 @@ def compile_programs(config, devices=None, generate: bool = True) -> tuple[Any, 
     process's), built by the functions train.py uses; without generate when it is False."""
     import jax
 
-    from jaxgpt import compile_counts, micro_batch, opening, preflight, run, sharding
+    from jaxgpt import sharding
+    from jaxgpt.compile import counts as compile_counts
     from jaxgpt.config import TrainConfig
     from jaxgpt.model import GPT, flops_per_token, param_layout
     from jaxgpt.optim import make_optimizer
-    from jaxgpt.training import abstract_state
+    from jaxgpt.train import micro_batch, opening, preflight, run
+    from jaxgpt.train.step import abstract_state
 
     mesh = sharding.make_mesh(config.mesh, devices)
     platform = mesh.devices.flat[0].platform
@@ -254,7 +257,7 @@ def batch_structs(mesh, rows: int, block_size: int, packed: bool, masked: bool =
     import jax
 
     from jaxgpt import sharding
-    from jaxgpt.training import batch_fields
+    from jaxgpt.train.step import batch_fields
 
     batches = sharding.batch_sharding(mesh)
     fields = batch_fields(rows, block_size, packed or masked)
@@ -264,7 +267,7 @@ def batch_structs(mesh, rows: int, block_size: int, packed: bool, masked: bool =
 
 def _eval_program(gpt, mesh, params, rows: int, packed: bool, flops_per_token: float) -> Program:
     """The eval step as evaluation.py jits it, for a batch of train.eval_batch_size rows."""
-    from jaxgpt import evaluation
+    from jaxgpt.train import evaluation
 
     inputs, targets, mask, *rest = batch_structs(mesh, rows, gpt.cfg.block_size, packed, masked=True)
     lowered = evaluation.ignoring_step(gpt).lower(params, inputs, targets, mask, -1, *rest)
@@ -282,8 +285,8 @@ def _generate_program(gpt, mesh, params, sample) -> Program:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxgpt import sampling
-    from jaxgpt.decoding import prompt_bucket
+    from jaxgpt.decode import sampling
+    from jaxgpt.decode.logits import prompt_bucket
 
     whole = NamedSharding(mesh, PartitionSpec())
     width = prompt_bucket(1)
@@ -407,8 +410,8 @@ def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
     against the budget the micro-batch was chosen by (`budget`: its bytes and what they are)."""
     import jax
 
-    from jaxgpt import micro_batch
     from jaxgpt.config import TrainConfig
+    from jaxgpt.train import micro_batch
 
     devices = list(jax.devices()) if devices is None else devices
     mesh, programs = compile_programs(config, devices)
@@ -459,7 +462,7 @@ def local_devices(config) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxgpt.compile_args import check_writable, parse_args, usage, wants_help
+    from jaxgpt.compile.args import check_writable, parse_args, usage, wants_help
     from jaxgpt.errors import one_line, tidy_cli_output
 
     argv = sys.argv if argv is None else argv
@@ -490,6 +493,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return print_and_check({**result, "notes": notes}, options.get("json"))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

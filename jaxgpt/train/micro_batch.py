@@ -25,7 +25,7 @@ rows_per_step. rows_per_step = 0 (the default) is today's batch_size × grad_acc
 train.batch_schedule, r divides a device's share of every scheduled step's rows too (their
 greatest common divisor), so each step is a whole number of micro-batches.
 
-    config = resolved(config, mesh, cfg, compute)   # when a run opens (jaxgpt.opening), the data read
+    config = resolved(config, mesh, cfg, compute)   # when a run opens (jaxgpt.train.opening), the data read
     plan(train, ways, state, row, memory)           # the arithmetic alone
     budget(devices, train)                          # the bytes a device may use, and what they are
     larger_note(result, grad_accum, block_size)     # jaxgpt.compile: a larger micro-batch would fit
@@ -47,7 +47,7 @@ from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError
 from jaxgpt.model import GPT, param_layout
 from jaxgpt.optim import make_optimizer
-from jaxgpt.training import abstract_state, init_state
+from jaxgpt.train.step import abstract_state, init_state
 
 GiB = 2**30
 # XLA's TPU compiles of GPT-2 small kept 0.381 (v5e) and 0.411 GiB (v4) a row where row_bytes says 0.403: a

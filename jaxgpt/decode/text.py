@@ -1,5 +1,5 @@
 """Text in and out around sampling: a prompt checked and encoded, text continued with
-`jaxgpt.sampling.generate`, the likeliest next tokens as a line, and tokens decoded for
+`jaxgpt.decode.sampling.generate`, the likeliest next tokens as a line, and tokens decoded for
 printing as they come."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxgpt import tokenizers
 from jaxgpt.config import GPTConfig
-from jaxgpt.sampling import SamplingOptions, generate
+from jaxgpt.decode.sampling import SamplingOptions, generate
 
 
 def encode_prompt(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:

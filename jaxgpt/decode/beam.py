@@ -2,8 +2,8 @@
 
 Each step extends every live beam by every token and keeps the num_beams best by
 log-probability; a beam that draws EOS is finished and competes on its length-penalised
-score log p / (new tokens)^length_penalty. The logits come from `jaxgpt.decoding`, so beam
-search crops past the context and uses the KV cache exactly as `jaxgpt.sampling.generate`.
+score log p / (new tokens)^length_penalty. The logits come from `jaxgpt.decode.logits`, so beam
+search crops past the context and uses the KV cache exactly as `jaxgpt.decode.sampling.generate`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.config import ComputeConfig, GPTConfig, is_int, is_number
-from jaxgpt.decoding import check_reach, next_logits, prompt_batch, start_cache
+from jaxgpt.decode.logits import check_reach, next_logits, prompt_batch, start_cache
 from jaxgpt.model import GPT
 
 
@@ -139,7 +139,7 @@ def beam_search(params, config: GPTConfig, prompt, *, num_beams: int, max_new_to
     that draws eos_id is finished and competes on log p / (new tokens)^length_penalty
     (length_penalty > 0 favours longer continuations, < 0 shorter ones). The search stops
     at max_new_tokens, or sooner once no live beam can beat the finished ones. Past the
-    context it crops like `jaxgpt.sampling.generate`. With num_beams=1 and no eos_id this is greedy
+    context it crops like `jaxgpt.decode.sampling.generate`. With num_beams=1 and no eos_id this is greedy
     decoding; with num_beams ≥ V^(max_new_tokens−1) it is exhaustive. compute: how the model
     runs here (default float32, the explicit kernel).
     """

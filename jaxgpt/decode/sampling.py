@@ -10,7 +10,7 @@ sequence so far, filtered in this order:
                                           whose probability under softmax(z) reaches p
     x_{n+1} ~ softmax(z)
 
-crop(x) is the last block_size tokens of x; `jaxgpt.decoding` says what it costs and how
+crop(x) is the last block_size tokens of x; `jaxgpt.decode.logits` says what it costs and how
 the cache makes each new token cheap. How to draw is a `SamplingOptions`, given to
 `generate` and `stream` as one object or as its fields by keyword.
 """
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ComputeConfig, GPTConfig, is_int, is_number
-from jaxgpt.decoding import check_reach, is_concrete, next_logits, prompt_batch, start_cache
+from jaxgpt.decode.logits import check_reach, is_concrete, next_logits, prompt_batch, start_cache
 from jaxgpt.model import GPT
 from jaxgpt.quantize import check_params
 

@@ -89,7 +89,7 @@ def _memory_label(result: dict) -> str:
 BOUND_NOTES = {
     True: "Roofline, tokens/s and MFU: upper bounds from XLA's counts, which count a loop's body once: the "
           "train step's micro-batches and chunks of the loss, and the eval step's chunks, are counted as often as "
-          "they run (each compiled on its own: jaxgpt.compile_counts); generate's decoding loop has none, and "
+          "they run (each compiled on its own: jaxgpt.compile.counts); generate's decoding loop has none, and "
           "compute.scan_layers undercounts the layers. Collectives: the program's instructions.",
     False: "Time and tokens/s: bounds from the model's FLOP count (jaxgpt.model.flops_per_token) at the GPU's peak "
            "bfloat16 FLOP/s, not XLA's (XLA has no cost analysis for GPUs): no MFU bound, no bound from memory "
@@ -110,7 +110,7 @@ def verdict(result: dict) -> str:
                 "all devices may use together).")
     measure = "XLA's peak" if _total_from(result) == "peak" else "the sum of XLA's parts"
     against = (f"the {size(train['hbm'])} a device may use ({budget_name(result)}), the budget the micro-batch "
-               "is chosen by (jaxgpt.micro_batch)")
+               "is chosen by (jaxgpt.train.micro_batch)")
     if train["fits"]:
         return f"Verdict: the train step fits, {size(train['total'])} per device ({measure}) of {against}."
     return (f"Verdict: the train step does NOT fit, {size(train['total'])} per device ({measure}), "

@@ -9,7 +9,7 @@ left to its last block_size + 1 tokens (the model reads at most block_size):
 and for a whole text t, read after a prefix token p (<|eos|>: a jaxgpt corpus puts it before
 every document but the first), log p(t) = Σ_j log p(t_j | p, t_{<j}) over the windows of
 `jaxgpt.data.eval_batch`: block_size tokens each, `stride` after the last, every target
-counted once, exactly as `jaxgpt.evaluation` counts a text's loss.
+counted once, exactly as `jaxgpt.train.evaluation` counts a text's loss.
 
 Continuations are scored through the KV cache when the attention is softmax (`score_cached`):
 each context is read once into the cache, read_width tokens a call, and each of its

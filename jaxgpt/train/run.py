@@ -1,7 +1,7 @@
 """A training run: the loop.
 
     python train.py  →  run.train(config):
-        open_run        the directory, the config, its checks, the mesh, the data (jaxgpt.opening)
+        open_run        the directory, the config, its checks, the mesh, the data (jaxgpt.train.opening)
         init_or_restore the train state (a checkpoint, init_from's params, or fresh), while XLA
                         compiles the train step
         for each step: train, log, evaluate, save          (stops cleanly on SIGINT/SIGTERM)
@@ -32,19 +32,19 @@ from jax.sharding import Mesh
 
 from jaxgpt import batch_schedule, data, metrics, sharding
 from jaxgpt.checkpoint import NonFiniteState, first_non_finite, tree_checksums
-from jaxgpt.completions import RUN_TEMPLATE, record_prompt, templates_named
 from jaxgpt.config import SampleConfig, TrainConfig
+from jaxgpt.decode.sampling import SamplingOptions, generate
+from jaxgpt.decode.text import encode_prompt
 from jaxgpt.errors import TrainingError, one_line
-from jaxgpt.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.model import GPT, flops_per_token, param_layout
-from jaxgpt.opening import Run, compute_config, init_or_restore, leave_nothing, model_config, open_run
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
-from jaxgpt.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
-from jaxgpt.sampling import SamplingOptions, generate
-from jaxgpt.text import encode_prompt
-from jaxgpt.training import TrainState, abstract_state, ahead_weights, batch_fields, make_train_step, seeded
+from jaxgpt.score.completions import RUN_TEMPLATE, record_prompt, templates_named
+from jaxgpt.train.evaluation import evaluate_examples, evaluate_tokens
+from jaxgpt.train.opening import Run, compute_config, init_or_restore, leave_nothing, model_config, open_run
+from jaxgpt.train.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
+from jaxgpt.train.step import TrainState, abstract_state, ahead_weights, batch_fields, make_train_step, seeded
 
-# open_run, init_or_restore, Run, compute_config and model_config are jaxgpt.opening's, named here too
+# open_run, init_or_restore, Run, compute_config and model_config are jaxgpt.train.opening's, named here too
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "Run", "TrainingError", "compute_config", "init_or_restore", "load_run",
            "model_config", "open_run", "train", "write_sample"]
 

@@ -5,7 +5,7 @@ An item is a context, its choices and the index of the right one: a JSONL record
 {"context", "choices", "label"}, or HellaSwag's {"ctx", "endings", "label"} (llm.c's
 hellaswag.py reads the same). Choice j is scored as the continuation " " + choice_j of the
 context (the harness's target_delimiter), encoded as the harness encodes a request
-(`encode_request`), with ℓ_j = log p(" " + choice_j | context) (`jaxgpt.likelihood`). Then, as
+(`encode_request`), with ℓ_j = log p(" " + choice_j | context) (`jaxgpt.score.likelihood`). Then, as
 `lm_eval.api.task.ConfigurableTask.process_results` defines them:
 
     acc       = [argmax_j ℓ_j = label]
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxgpt.likelihood import UnknownTally, prefix_id, score_continuations
 from jaxgpt.model import GPT
+from jaxgpt.score.likelihood import UnknownTally, prefix_id, score_continuations
 from jaxgpt.tokenizers import Tokenizer
 
 DELIMITER = " "  # the harness's default target_delimiter

@@ -68,9 +68,8 @@ def _chunk_program(gpt, mesh, params, train: bool):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxgpt import chunked
     from jaxgpt.axes import BATCH_AXES
-    from jaxgpt.loss import chunk_tokens, logits_fn
+    from jaxgpt.loss import chunk_tokens, chunked, logits_fn
 
     n = chunk_tokens(gpt.compute)
     row = jax.ShapeDtypeStruct((1, gpt.cfg.block_size), jnp.int32)  # a whole row, as any kernel takes (traced only)

@@ -20,7 +20,7 @@ from jaxgpt import data
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
-from jaxgpt.training import as_model, make_eval_step
+from jaxgpt.train.step import as_model, make_eval_step
 
 _EVAL_STEPS: dict = {}
 _CHUNK = 1 << 22  # tokens per pass over a (memory-mapped) split

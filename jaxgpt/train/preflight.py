@@ -1,4 +1,4 @@
-"""What a run is checked against before its first step (jaxgpt.opening.open_run), so that nothing
+"""What a run is checked against before its first step (jaxgpt.train.opening.open_run), so that nothing
 impossible is found after the data is read, or after the last step:
 
     check_sections    the sample, data and mesh sections, and the batch sizes on the mesh
@@ -23,12 +23,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxgpt import data, micro_batch, rundir, sharding, tokenizers
+from jaxgpt import data, sharding, tokenizers
 from jaxgpt.config import ComputeConfig, DataConfig, GPTConfig, SampleConfig, TrainConfig
 from jaxgpt.errors import ConfigError, DataError
-from jaxgpt.evaluation import id_share
 from jaxgpt.model import param_count
-from jaxgpt.rundir import TOKENIZER_FILE
+from jaxgpt.train import micro_batch, rundir
+from jaxgpt.train.evaluation import id_share
+from jaxgpt.train.rundir import TOKENIZER_FILE
 
 
 def check_sections(config, train_cfg: TrainConfig) -> Mesh:

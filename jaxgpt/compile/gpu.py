@@ -1,5 +1,5 @@
 """jaxgpt.compile's GPU targets: the devices of a GPU topology such as 'h100:8', described by JAX's
-CUDA plugin from jaxgpt.gpus' target description (no GPU needed: XLA compiles for it and ptxas
+CUDA plugin from jaxgpt.compile.gpus' target description (no GPU needed: XLA compiles for it and ptxas
 assembles its kernels), and the attention kernel the programs can compile with here.
 
 On a machine without an NVIDIA GPU, jaxgpt keeps the CUDA plugin out of its processes
@@ -17,7 +17,8 @@ import re
 import shutil
 import sys
 
-from jaxgpt import gpus, platforms
+from jaxgpt import platforms
+from jaxgpt.compile import gpus
 from jaxgpt.errors import ConfigError, one_line, stderr_kept
 
 # what compiling for a GPU needs: module → the package that brings it (all three: the gpu extra; ptxas may
@@ -90,7 +91,7 @@ def attention_without_cudnn(config, name: str) -> str | None:
     kernel becomes the first the GPU prefers that compiles anywhere (XLA's) and the note that says
     so is returned; a kernel asked for by name is a ConfigError. None where nothing changes."""
     from jaxgpt.attention.kernels import AUTO, KERNELS, PREFERENCE
-    from jaxgpt.opening import compute_config
+    from jaxgpt.train.opening import compute_config
 
     if cudnn_present() or KERNELS[compute_config(config, "gpu").kernel].backend is None:
         return None

@@ -45,14 +45,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxgpt import metrics, opening, run, sharding
+from jaxgpt import metrics, sharding
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.cli import overridden_keys, parse_config
 from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
 from jaxgpt.files import unwritable, writable_directory, write_json
-from jaxgpt.sweep_summary import write_summary
+from jaxgpt.sweep.summary import write_summary
+from jaxgpt.train import opening, run
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.py"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
 BASELINE = "all"  # an ablation's cell with nothing removed
 RECORD_FILE = "cells.json"  # each finished cell's config as asked: a rerun skips it only when that is unchanged
 SET_BY_THE_SWEEP = {"train.seed": "--seeds", "run_dir": "--out"}
@@ -462,6 +463,3 @@ def main(argv=None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

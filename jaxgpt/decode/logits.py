@@ -1,4 +1,4 @@
-"""Decoding: what sampling (`jaxgpt.sampling`) and beam search (`jaxgpt.beam`) both need,
+"""Decoding: what sampling (`jaxgpt.decode.sampling`) and beam search (`jaxgpt.decode.beam`) both need,
 the model's next-token logits for a batch of growing sequences and the prompts as a padded
 batch.
 

@@ -12,8 +12,8 @@ import difflib
 import os
 from pathlib import Path
 
+from jaxgpt.compile.gpus import is_gpu_topology
 from jaxgpt.errors import ConfigError
-from jaxgpt.gpus import is_gpu_topology
 
 OPTIONS = ("--topology", "--chips_per_host", "--json")  # the command's own, each taking a value
 HELP = ("-h", "--help")

@@ -6,15 +6,16 @@
     score_targets(model, params, tokens, targets[, cache])   (log p(y_i), y_i is the argmax)
 
 training.loss_fn, evaluation (training.make_eval_step) and the likelihoods of benchmarks
-(jaxgpt.likelihood) call these, so every path that reads logits reads them the same way.
+(jaxgpt.score.likelihood) call these, so every path that reads logits reads them the same way.
 """
 
 from __future__ import annotations
 
 import functools
 
-from jaxgpt import chunked, ops
+from jaxgpt import ops
 from jaxgpt.axes import batch_ways, current_mesh
+from jaxgpt.loss import chunked
 from jaxgpt.model import GPT, unembed
 from jaxgpt.model_config import ComputeConfig
 

@@ -35,8 +35,8 @@ import numpy as np
 from jaxgpt.config import DataConfig, GPTConfig, RecordsConfig
 from jaxgpt.data import Examples, encode_turns
 from jaxgpt.data.records import PRESETS, Record, Template, Templates, chat_turns, templates
-from jaxgpt.sampling import SamplingOptions, generate
-from jaxgpt.text import encode_prompt
+from jaxgpt.decode.sampling import SamplingOptions, generate
+from jaxgpt.decode.text import encode_prompt
 from jaxgpt.tokenizers import Tokenizer
 
 MARGIN_TOKENS = 8  # new tokens allowed beyond the longest reference (one is the <|eos|>)
@@ -91,7 +91,7 @@ def greedy_completions(params, config: GPTConfig, prompts: Sequence[np.ndarray],
                        max_new_tokens: int, batch_size: int,
                        on_batch: Callable[[int, int], None] | None = None) -> list[np.ndarray]:
     """Each prompt's greedy continuation (without the <|eos|> that stopped it), by the jitted
-    `jaxgpt.sampling.generate`, batch_size prompts at a time. The prompts go in order of
+    `jaxgpt.decode.sampling.generate`, batch_size prompts at a time. The prompts go in order of
     length (less padding); the last batch is filled up with copies of its last prompt, so
     every batch has one shape. `on_batch(done, total)` after each batch."""
     if batch_size < 1:

@@ -11,7 +11,7 @@ positions, segments) rows of packed examples (jaxgpt.data.packing).
 Each takes `model`: a GPT(cfg, compute), what the model computes and how it runs here, or a
 GPTConfig alone for GPT(cfg) with the default compute (float32, the explicit kernel).
 
-The loop that drives them (data, logging, evaluation, checkpoints, resume) is jaxgpt.run.
+The loop that drives them (data, logging, evaluation, checkpoints, resume) is jaxgpt.train.run.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgpt import chunked, layout, multi_token, ops
+from jaxgpt import layout, ops
 from jaxgpt.config import GPTConfig, TrainConfig
-from jaxgpt.loss import chunk_tokens, logits_fn, score_targets
+from jaxgpt.loss import chunk_tokens, chunked, logits_fn, multi_token, score_targets
 from jaxgpt.model import GPT, param_layout
 
 
@@ -55,7 +55,7 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *,
     `mask` is True, or their sum over `count` (see ops.cross_entropy); with compute.loss_chunk,
     the logits made and their gradient taken a chunk of tokens at a time (chunked.chunked_cross_entropy).
     ahead (K,): multi-token prediction's weights w_k, each position's logits also scored on the
-    targets k − 1 further on (jaxgpt.multi_token), still over the count of next-token targets."""
+    targets k − 1 further on (jaxgpt.loss.multi_token), still over the count of next-token targets."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     chunk = model.compute.loss_chunk
     out = model.apply({"params": params}, inputs, positions=positions, segments=segments,

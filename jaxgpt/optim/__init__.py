@@ -10,7 +10,7 @@ warmup–stable–decay schedule, each parameter group at its own peak learning 
     θ ← θ − lr(t)·(s·NS(M̃) + λθ)                               (Muon, the blocks' matrices: M̃ the Nesterov
                                                                 momentum, NS its Newton–Schulz orthogonalisation)
     NS's coefficients: the quintic's (a, b, c) each step, or Polar Express's row per step (train.muon_coeffs);
-    NorMuon (train.normuon): NS(M̃) normalised per output neuron (jaxgpt.muon.scale_by_neuron_norm);
+    NorMuon (train.normuon): NS(M̃) normalised per output neuron (jaxgpt.optim.muon.scale_by_neuron_norm);
     cautious weight decay (train.cautious_weight_decay): λθ only where u·θ ≥ 0 (u the update before it)
 
 Both registries (OPTIMIZERS, SCHEDULES) map the names train.optimizer and train.schedule may
@@ -29,7 +29,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from jaxgpt import layout
-from jaxgpt.muon import scale_by_banked_muon, scale_by_neuron_norm, scale_by_width
+from jaxgpt.optim.muon import scale_by_banked_muon, scale_by_neuron_norm, scale_by_width
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): optax's and modded-nanogpt's
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one (a, b, c) per step, each step's
@@ -198,7 +198,7 @@ def muon_dimension_numbers(declared) -> Callable:
 
 def muon(train: TrainConfig, schedule: optax.Schedule, declared) -> optax.GradientTransformation:
     """The matrix group through Muon (momentum β, Nesterov, muon_ns_steps Newton–Schulz steps of
-    train.muon_coeffs over banks of same-shaped matrices, each device its share: jaxgpt.muon;
+    train.muon_coeffs over banks of same-shaped matrices, each device its share: jaxgpt.optim.muon;
     NorMuon's normalisation per neuron with train.normuon; optax's shape scaling, weight decay
     λ (cautious with train.cautious_weight_decay), rate lr(t)); the embed, head and scalar
     groups through `adamw` at their own rates. Without NorMuon the updates are

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxgpt import metrics, run, viz
+from jaxgpt import metrics, viz
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import param_count
+from jaxgpt.train import run
 
 COLUMNS = ("cell", "seed", "final_val_loss", "best_val_loss", "val_bpb", "tokens_per_sec", "params", "steps",
            "steps_to_target", "seconds_to_target")

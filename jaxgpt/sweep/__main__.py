@@ -1,0 +1,7 @@
+"""`python -m jaxgpt.sweep`: its command line (jaxgpt.sweep.main)."""
+
+import sys
+
+from jaxgpt.sweep import main
+
+sys.exit(main())
