@@ -5,10 +5,14 @@ tests wrote. Multi-device tests run in subprocesses with fake CPU devices, so th
 keeps its single device.
 """
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import math
+import platform
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +30,7 @@ from processes import finished, free_port, with_devices
 
 from jaxgpt import data, tokenizers
 from jaxgpt.data import DataError, cache, shards
+from jaxgpt.data.sources import stdlib_files
 from jaxgpt.data.split import TrainSample, assign_splits
 from jaxgpt.tokenizers import Tokenizer
 
@@ -197,14 +202,61 @@ def test_pdf_without_the_extra_says_which_extra_to_install(tmp_path, monkeypatch
 def test_stdlib_is_the_standard_library_python_files_in_path_order(tmp_path):
     root = Path(sysconfig.get_paths()["stdlib"])
     skipped = {"test", "tests", "idlelib", "site-packages", "dist-packages"}
+
+    def installed(relative: Path) -> bool:  # the build's configuration and a site's hooks (see the next test)
+        top = relative.parts[0]
+        return (top.startswith("config-3") if len(relative.parts) > 1
+                else top.startswith("_sysconfigdata_") or top in ("sitecustomize.py", "usercustomize.py"))
+
     expected_files = sorted(
         path for path in root.rglob("*.py")
-        if not any(part in skipped or part.startswith(".")
-                   for part in path.relative_to(root).parts[:-1]))
+        if not any(part in skipped or part.startswith(".") for part in path.relative_to(root).parts[:-1])
+        and not installed(path.relative_to(root)))
     texts = (path.read_text(encoding="utf-8") for path in expected_files)
     expected = [text for text in texts if text][:25]  # empty files are no documents
     corpus = data.prepare(config(tmp_path, source="stdlib", max_documents=25))
     assert documents(corpus.train, corpus.tokenizer) == expected
+    assert stdlib_files() == stdlib_files()  # the same files in the same order, whatever the walk's order
+
+
+def test_stdlib_of_one_python_installed_under_two_prefixes_is_one_corpus(tmp_path):
+    """An installation writes its prefix into the build's configuration (`_sysconfigdata_*.py`,
+    `config-3.X-*/python-config.py`), and a site may add its hooks: none of them is read, so the corpus
+    of one Python is the same wherever it was installed."""
+    sources = {"abc.py": "class ABC: ...\n", "json/__init__.py": "def dumps(o): ...\n",
+               "configparser.py": "class ConfigParser: ...\n", "sysconfig.py": "def get_paths(): ...\n"}
+    corpora = []
+    for prefix in ("/usr/local", "/home/alice/.pyenv/versions/3.11.7"):
+        root = write_files(tmp_path / prefix.strip("/").replace("/", "_"), {
+            **sources, "_sysconfigdata__linux_x86_64-linux-gnu.py": f"build_time_vars = {{'prefix': '{prefix}'}}\n",
+            "config-3.11-x86_64-linux-gnu/python-config.py": f"prefix = '{prefix}'\n",
+            "sitecustomize.py": f"# {prefix}\n"})
+        files = stdlib_files(root)
+        corpora.append([(file.relative_to(root).as_posix(), file.read_text()) for file in files])
+    assert corpora[0] == corpora[1] == [(name, sources[name]) for name in sorted(sources)]
+
+
+def test_a_stdlib_corpus_records_which_pythons_standard_library_it_is(tmp_path, monkeypatch):
+    """The figures measured on `stdlib` are those of one Python's standard library (each version
+    ships other files): the prepared corpus says which, and `python -m jaxgpt.data` prints it."""
+    from jaxgpt.data.__main__ import main
+
+    files = stdlib_files()
+    corpus = data.prepare(config(tmp_path, source="stdlib", max_documents=2))
+    described = corpus.meta["source_description"]
+    assert described == (f"the standard library of {platform.python_implementation()} {platform.python_version()} "
+                         f"in {sysconfig.get_paths()['stdlib']}: {len(files)} files, "
+                         f"{sum(file.stat().st_size for file in files):,} bytes")
+    text = write_files(tmp_path / "text", {"a.txt": "Nothing to say.\n"})
+    assert "source_description" not in data.prepare(config(tmp_path, source=str(text))).meta  # a path says it all
+    out = io.StringIO()
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the program sets its own
+    terminate = signal.getsignal(signal.SIGTERM)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["jaxgpt.data", "--config.data.source=stdlib", "--config.data.max_documents=2",
+                     "--config.data.tokenizer=char", f"--config.data.cache_dir={tmp_path / 'cache'}"]) == 0
+    signal.signal(signal.SIGTERM, terminate)
+    assert f"source: {described}\n" in out.getvalue()
 
 
 def test_limits_cap_documents_and_bytes(tmp_path):

@@ -60,6 +60,9 @@ def test_the_main_job_trains_on_one_device_per_core_and_ends_with_a_sample(main_
     home, out = main_job
     devices = sharding.auto_cpu_devices(sharding.available_cores(), [16, 32])
     assert f"{devices} cpu device(s)" in out.stderr
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert f"jaxgpt: data, the standard library of {sys.implementation.name.replace('cpython', 'CPython')} {python}" \
+        in out.stderr, out.stderr[-2000:]
     assert "--- sample (run directory runs/default) ---" in out.stdout
     assert sorted(int(p.name) for p in (home / "runs/default/checkpoints").iterdir()) == [2, 4]
 

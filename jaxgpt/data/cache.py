@@ -369,6 +369,7 @@ def _write(partial: Path, fingerprint: str, source: Source, val_source: Source |
         "version": CACHE_VERSION,
         "fingerprint": fingerprint,
         "source": settings.source,
+        **({"source_description": source.description} if source.description else {}),
         "val_source": settings.val_source,
         "val_fraction": settings.val_fraction,
         "max_documents": settings.max_documents,

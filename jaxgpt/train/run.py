@@ -206,6 +206,8 @@ def _train(run: Run, stop: StopRequested) -> dict:
         tc.peak_flops), measured=not tc.peak_flops, tokens_before=tokens_before)
     log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
     log.message(_announcement(run, start_step, tokens_per_step, meter.peak))
+    if run.corpus.meta.get("source_description"):  # what the run's figures depend on (the stdlib: which Python's)
+        log.message(f"jaxgpt: data, {run.corpus.meta['source_description']}")
     for split, layout in (run.layouts or {}).items():
         log.message(f"jaxgpt: records, {layout.summary(split)}")
     step, last_val, interrupted, deferred = start_step, None, stop.signal_name, None  # a signal while starting: no step

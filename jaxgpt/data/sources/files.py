@@ -1,6 +1,9 @@
 """Local files as sources: a path (a file, a directory, every file below it, or a glob) and
 `stdlib`, the `.py` files of the running Python's standard library (no tests, no idlelib, no
-site-packages), sorted by path: ~11 MB of real code on every machine that has Python.
+site-packages, none of the files its installation wrote), sorted by path: ~11 MB of real code on
+every machine that has Python. Not the same code on every machine: each Python version, and each
+distribution's packaging of it, ships other files, so the corpus and every figure measured on it
+are those of one Python; the cache's meta.json records which (`Source.description`).
 
 Their files are read by jaxgpt.data.sources.reader (text, `.jsonl`, `.pdf`, images by OCR),
 with the keys of data.files and data.ocr. A path also holds records (data.format='records').
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
+import platform
 import re
 import sysconfig
 from collections.abc import Iterator
@@ -23,6 +27,13 @@ from jaxgpt.data_config import DataConfig
 from jaxgpt.errors import DataError
 
 STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
+# What an installation writes beside the standard library, not Python's source: the build's
+# configuration (`_sysconfigdata_*.py`, `config-3.X-*/python-config.py`), which holds the install
+# prefix, and a site's hooks. Read, they made the corpus depend on where Python was installed: the
+# same CPython 3.11.7 under another home directory gave configs/experiment.py's learned-positions
+# cell a val loss of 2.3586 against 2.3781.
+STDLIB_INSTALLED_FILES = re.compile(r"_sysconfigdata_.*\.py|sitecustomize\.py|usercustomize\.py")
+STDLIB_BUILD_DIRS = re.compile(r"config-\d.*")
 _GLOB_MAGIC = re.compile(r"[*?[]")
 
 
@@ -50,7 +61,9 @@ class Stdlib(SourceKind):
     form = "stdlib"
 
     def open(self, spec: str, settings: DataConfig) -> Source:
-        return files_source(spec, "stdlib", stdlib_files(), settings)
+        root = stdlib_root()
+        files = stdlib_files(root)
+        return files_source(spec, "stdlib", files, settings, description=stdlib_description(root, files))
 
 
 def list_files(spec: str | os.PathLike) -> list[Path]:
@@ -80,13 +93,34 @@ def _walk(root: Path, excluded_dirs: frozenset[str] = frozenset()) -> list[Path]
     return sorted(files)
 
 
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in _walk(root, STDLIB_EXCLUDED_DIRS) if p.suffix == ".py"]
+def stdlib_root() -> Path:
+    """The running Python's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The `.py` files of the standard library in `root` (default: the running Python's), sorted
+    by path, without its tests, idlelib, installed packages and the files its installation wrote."""
+    root = stdlib_root() if root is None else root
+    files = [p for p in _walk(root, STDLIB_EXCLUDED_DIRS) if p.suffix == ".py" and not _installed(p.relative_to(root))]
     if not files:
         raise DataError(f"this Python ships no .py files of its standard library in {root}; "
                         "set data.source to a file or directory of text")
     return files
+
+
+def _installed(relative: Path) -> bool:
+    """Whether a file of the standard library's directory is one its installation wrote."""
+    if len(relative.parts) == 1:
+        return bool(STDLIB_INSTALLED_FILES.fullmatch(relative.name))
+    return bool(STDLIB_BUILD_DIRS.fullmatch(relative.parts[0]))
+
+
+def stdlib_description(root: Path, files: list[Path]) -> str:
+    """Which standard library `files` are: its Python, directory, files and bytes."""
+    size = sum(file.stat().st_size for file in files)
+    return (f"the standard library of {platform.python_implementation()} {platform.python_version()} in {root}: "
+            f"{len(files)} files, {size:,} bytes")
 
 
 def _stamp(file: Path) -> tuple[int | None, int | None]:
@@ -99,7 +133,7 @@ def _stamp(file: Path) -> tuple[int | None, int | None]:
     return stat.st_size, stat.st_mtime_ns
 
 
-def files_source(spec: str, name: str, files: list[Path], settings: DataConfig) -> Source:
+def files_source(spec: str, name: str, files: list[Path], settings: DataConfig, description: str = "") -> Source:
     """The Source of local files: its identity is each file's path, size and modification
     time, and the settings that change what is read from files with their suffixes."""
     if not files:
@@ -117,4 +151,4 @@ def files_source(spec: str, name: str, files: list[Path], settings: DataConfig) 
     def documents(reader: DocumentReader) -> Iterator[str]:
         yield from reader.read_files(files)
 
-    return Source(name, identity, documents)
+    return Source(name, identity, documents, description)

@@ -28,11 +28,14 @@ _SCHEME = re.compile(r"[a-z][a-z0-9_]*")
 @dataclasses.dataclass(frozen=True)
 class Source:
     """Where documents come from: `identity` is cheap to compute and changes whenever the
-    documents may have changed; `documents(reader)` reads them."""
+    documents may have changed; `documents(reader)` reads them. `description` says what the spec
+    stands for here where the spec alone does not (`stdlib`: which Python's standard library);
+    the cache's meta.json records it."""
 
     name: str
     identity: dict[str, Any]
     documents: Callable[[DocumentReader], Iterator[str]]
+    description: str = ""
 
 
 class SourceKind(abc.ABC):
