@@ -666,19 +666,20 @@ def test_hundreds_of_steps_between_logs_on_two_cpu_devices_do_not_stall(tmp_path
 
 
 def test_an_end_sample_whose_prompt_the_data_cannot_encode_warns_and_the_run_exits_0(tmp_path):
-    """The records preset's prompt (letters) against a char tokenizer of digits: the run trains,
+    """A sample record whose prompt holds letters against a char tokenizer of digits: the run trains,
     warns in one line, samples a new document instead, and succeeds."""
     records = tmp_path / "sums.jsonl"
     records.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n"
                                for a in range(20) for b in range(10)))
     tiny = {key: value for key, value in TINY_OVERRIDES.items() if key != "sample.max_new_tokens"}
     out = run_train_py(["--config=configs/finetune_records.py", f"--config.data.source={records}",
-                        "--config.data.records.template=prompt_completion", *[f"--config.{k}={v}" for k, v in
+                        "--config.data.records.template=prompt_completion", '--config.sample.record={"prompt": "C+D="}',
+                        *[f"--config.{k}={v}" for k, v in
                                                                                 tiny.items()],
                         f"--config.data.cache_dir={tmp_path / 'cache'}", f"--config.run_dir={tmp_path / 'run'}"])
     assert out.returncode == 0, out.stderr[-3000:]
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: sample")]
-    assert len(warnings) == 1 and "sample.prompt cannot be encoded" in warnings[0] and "'C'" in warnings[0]
+    assert len(warnings) == 1 and "sample.record's prompt cannot be made" in warnings[0] and "'C'" in warnings[0]
     assert "Traceback" not in out.stderr
     assert (tmp_path / "run" / "sample.txt").read_text() in out.stdout
 

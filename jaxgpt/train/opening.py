@@ -61,9 +61,9 @@ class Run:
     mesh: Mesh
     lock: RunLock
     layouts: dict[str, data.Layout] | None = None  # a records corpus's rows of examples, per split
+    saved_compute: ComputeConfig | None = None  # how the checkpoints were written, when resuming
     before: frozenset[str] | None = frozenset()  # the directory's entries before the run (None: it did not exist)
     stepped: bool = False  # a step has run: the directory holds the run, whatever stops it
-    saved_compute: ComputeConfig | None = None  # how the checkpoints were written, when resuming
 
     @property
     def gpt(self) -> GPT:
@@ -100,7 +100,7 @@ def open_run(config, explicit: Collection[str] = ()) -> Run:
         if jax.process_index() == 0:  # the record
             write_record(directory, resolved, corpus.tokenizer, checkpoints, train_cfg, resuming)
         return Run(ConfigDict(resolved), train_cfg, cfg, compute, directory, corpus, checkpoints, resuming, mesh, lock,
-                   row_layouts(config, corpus, cfg.block_size), saved, before)
+                   row_layouts(config, corpus, cfg.block_size), saved_compute=saved, before=before)
     except BaseException:
         lock.release()
         leave_nothing(directory, before)

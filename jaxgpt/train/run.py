@@ -340,10 +340,14 @@ def _stopped_line(run: Run, interrupted: str, step: int) -> str:
 def sample_prompt(config, tokenizer) -> tuple[str, list[int]]:
     """(the text the final sample starts with, its ids): sample.prompt; in a records run with
     sample.record, that record's prompt as the run's own templates made its examples' prompts."""
-    if config.data.format == "records" and config.sample.record is not None:
+    if _from_record(config):
         return record_prompt(templates_named(RUN_TEMPLATE, config.data.to_dict()), json.loads(config.sample.record),
                              tokenizer)
     return config.sample.prompt, encode_prompt(tokenizer, config.sample.prompt)
+
+
+def _from_record(config) -> bool:
+    return config.data.format == "records" and config.sample.record is not None
 
 
 def write_sample(config) -> str | None:
@@ -359,7 +363,8 @@ def write_sample(config) -> str | None:
     except ValueError as error:
         instead = "the sample starts a new document (after <|eos|>) instead" if tokenizer.eos_id is not None \
             else "no sample"
-        warnings.warn(f"the sample's prompt cannot be made ({one_line(error)}): {instead}", stacklevel=2)
+        what = "sample.record's prompt cannot be made" if _from_record(config) else "sample.prompt cannot be encoded"
+        warnings.warn(f"{what} ({one_line(error)}): {instead}", stacklevel=2)
         if tokenizer.eos_id is None:
             return None
         ids, prompt = [tokenizer.eos_id], ""
