@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -66,10 +67,17 @@ def token_before(last: tuple[jax.Array, jax.Array], positions) -> tuple[jax.Arra
     return token, position == positions[:, 0] - 1
 
 
+@flax.struct.dataclass
 class OneSequenceRows:
     """What the caches that keep no token per slot (linear, local) share: each row decodes one
-    sequence, and its last token kept (last_token, last_position) is the token before the next."""
+    sequence, and its last token kept (last_token, last_position) is the token before the next.
+    index (B,): tokens seen so far in each row; limit (B,): tokens at positions ≥ limit are read
+    but not kept (a padded prefill's padding)."""
 
+    index: jax.Array
+    limit: jax.Array
+    last_token: jax.Array
+    last_position: jax.Array
     form: ClassVar[str]  # the attention form, for the message that refuses segments
 
     def locate(self, tokens, positions=None, segments=None):

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 
 from jaxgpt import ops
@@ -26,10 +25,6 @@ class LinearCache(OneSequenceRows):
 
     S: tuple
     z: tuple
-    index: jax.Array
-    limit: jax.Array
-    last_token: jax.Array
-    last_position: jax.Array
     form: ClassVar[str] = "linear"
 
     def layer(self, layer: int, positions):

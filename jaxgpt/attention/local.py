@@ -27,10 +27,6 @@ class RingCache(OneSequenceRows):
     keys: tuple
     values: tuple
     positions: tuple
-    index: jax.Array
-    limit: jax.Array
-    last_token: jax.Array
-    last_position: jax.Array
     form: ClassVar[str] = "local"
 
     def layer(self, layer: int, positions):
