@@ -6,26 +6,26 @@ GPT-2's size, several hosts). A command new in the docs fails
 `test_every_command_is_run_covered_or_skipped` until it is one of the three.
 
 The commands run in a directory laid out like a checkout (the repository's `configs/` and `tests/`, the
-pages' placeholders `path/to/input.txt` and `path/to/texts/` as small files), each through its
-program's `main` in this process: the compiled programs are shared, where a dozen subprocesses would
-spend more on imports than all of this takes. The commands on `runs/default` share one main job, cut
-short. Each exits 0 and prints what its page says it prints. tests/test_user_commands.py runs the main
-job itself in a subprocess, on one device per core, as a user's shell does."""
+pages' placeholders `path/to/input.txt` and `path/to/texts/` as small files), all of them in one
+subprocess started once for the module (tests/docs_commands_driver.py), one after another, each through
+its program's `main`: on the machine's default devices as a user's shell runs them (one CPU device per
+core; no XLA_FLAGS or JAX_NUM_CPU_DEVICES, where the rest of the suite runs on one), its compiled programs
+shared between the commands, where a dozen subprocesses would spend more on imports than all of this
+takes. It writes each command's exit status, stdout and stderr to a JSON file the tests read. The
+commands on `runs/default` share one main job, cut short. Each exits 0 and prints what its page says it
+prints. tests/test_user_commands.py runs the main job itself, not cut as short, in its own subprocess."""
 
-import contextlib
-import importlib
-import io
 import json
+import os
 import re
 import shlex
-import signal
-import warnings
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from runs import write_corpus
-from scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -161,39 +161,40 @@ def test_every_command_is_run_covered_or_skipped():
 
 # --- running them ---------------------------------------------------------------------------------
 
+SAMPLE = ["--max_new_tokens", "2"]
+DATA = ["--config.data.vocab_size=300", "--config.data.workers=1"]
 
-def run(command: Command, *extra: str) -> tuple[str, str]:
-    """(stdout, stderr) of `command` with `extra` appended, run in this process in the current
-    directory; it must exit 0."""
-    argv = command.argv
-    program, args = (argv[2], argv[3:]) if argv[1] == "-m" else (argv[1], argv[2:])
-    args = [*args, *extra]
-    if program.endswith(".py"):
-        main = load_script(program).main
-        args = [program, *args] if program == "train.py" else args
-    else:
-        module = importlib.import_module(program)
-        main = getattr(module, "main", None) or importlib.import_module(f"{program}.__main__").main
-        args = [program, *args] if program == "jaxgpt.data" else args
-    out, err = io.StringIO(), io.StringIO()
-    handlers, show = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, warnings.showwarning
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(args)
-        except SystemExit as stop:
-            status = stop.code
-        finally:  # what a program sets for its own process
-            warnings.showwarning = show
-            for number, handler in handlers.items():
-                signal.signal(number, handler)
-    assert status == 0, f"{command.page}: {command.line} exited {status}\n{err.getvalue()[-3000:]}"
-    return out.getvalue(), err.getvalue()
+
+def training_overrides(command: Command) -> list[str]:
+    """A preset's run cut short and small on the user's file; the main job's overrides cut as it is
+    (its compiled programs)."""
+    if "--config=" not in command.line:
+        return MAIN_JOB
+    return [*SHORT, *SMALL, *([] if "data.source" in command.line else ["--config.data.source=path/to/input.txt"])]
+
+
+def planned() -> list[tuple[Command, list[str]]]:
+    """Every command run here with the overrides appended to it, in the order of the tests below: the
+    main job first, whose runs/default the later ones read."""
+    (main_job,) = [c for c in doc_commands() if c.line == "python train.py"]
+    return [(main_job, MAIN_JOB),
+            *[(c, training_overrides(c)) for c in commands(r"^python train\.py --config")],
+            *[(c, SAMPLE) for c in commands(r"^python sample\.py --run_dir runs/default ")],
+            *[(c, []) for c in commands(r"^python eval\.py --run_dir runs/default$")],
+            *[(c, []) for c in commands(r"^python eval\.py --run_dir runs/default --choices")],
+            *[(c, []) for c in commands(r"jaxgpt\.export")],
+            *[(c, []) for c in commands(r"jaxgpt\.viz")],
+            *[(c, DATA) for c in commands(r"^python -m jaxgpt\.data")]]
+
+
+def key(command: Command, *extra: str) -> str:
+    return " ".join([command.line, *extra])
 
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     """A directory like a checkout (the repository's configs/ and tests/, the pages' placeholders as
-    small files, the data cache inside), the current directory of this module's tests."""
+    small files; the data cache goes inside), the current directory of the commands."""
     home = tmp_path_factory.mktemp("home")
     for name in ("configs", "tests"):
         (home / name).symlink_to(ROOT / name)
@@ -201,66 +202,101 @@ def home(tmp_path_factory):
     (home / "path/to/texts").mkdir(parents=True)
     write_corpus(home / "path/to/input.txt")
     write_corpus(home / "path/to/texts/notes.txt")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(home)
-        patch.setenv("XDG_CACHE_HOME", str(home / "cache"))
-        yield home
+    return home
+
+
+@dataclass(frozen=True)
+class Ran:
+    results: dict  # key(command, *extra) → {"status", "stdout", "stderr"}
+    process: subprocess.CompletedProcess  # the driver's own exit status and output
 
 
 @pytest.fixture(scope="module")
-def main_job(home):
+def ran(home, tmp_path_factory) -> Ran:
+    """Every command of planned() run in order in one process (tests/docs_commands_driver.py) in
+    `home`, on the machine's default devices as a user's shell: no XLA_FLAGS or JAX_NUM_CPU_DEVICES,
+    JAX_PLATFORMS=cpu, the data cache in home/cache; the suite's compiled programs are shared through
+    JAX_COMPILATION_CACHE_DIR (conftest.py)."""
+    where = tmp_path_factory.mktemp("driver")
+    plan, results = where / "plan.json", where / "results.json"
+    plan.write_text(json.dumps([[key(c, *extra), [*c.argv, *extra]] for c, extra in planned()]))
+    env = {name: value for name, value in os.environ.items() if name not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env |= {"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(home / "cache")}
+    argv = [sys.executable, str(ROOT / "tests/docs_commands_driver.py"), str(plan), str(results)]
+    try:
+        process = subprocess.run(argv, cwd=home, env=env, capture_output=True, text=True, timeout=900,
+                                 stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as late:
+        stderr = late.stderr.decode(errors="replace") if isinstance(late.stderr, bytes) else late.stderr or ""
+        process = subprocess.CompletedProcess(argv, -9, "", f"{stderr}\n(killed after {late.timeout:.0f} s)")
+    return Ran(json.loads(results.read_text()) if results.is_file() else {}, process)
+
+
+def run(ran: Ran, command: Command, *extra: str) -> tuple[str, str]:
+    """(stdout, stderr) of `command` with `extra` appended, as the fixture's process ran it; it must
+    have exited 0."""
+    result = ran.results.get(key(command, *extra))
+    if result is None:
+        pytest.fail(f"{command.page}: {command.line} was not run (planned() has it with other overrides, or the "
+                    f"process stopped: exit {ran.process.returncode})\n{ran.process.stderr[-3000:]}")
+    assert result["status"] == 0, (f"{command.page}: {command.line} exited {result['status']}\n"
+                                   f"{result['stderr'][-3000:]}")
+    return result["stdout"], result["stderr"]
+
+
+@pytest.fixture(scope="module")
+def main_job(ran, home):
     """runs/default: the README's main job, `python train.py`, cut short (MAIN_JOB)."""
     (main_job,) = [c for c in doc_commands() if c.line == "python train.py"]
-    run(main_job, *MAIN_JOB)
+    run(ran, main_job, *MAIN_JOB)
     return home / "runs/default"
 
 
-def test_training_commands(home, main_job):
+def test_training_commands(ran, home, main_job):
     """Every train.py line not run elsewhere: a preset on the user's file, overrides of the main job
     (cut as it is: its compiled programs), Muon with its learning-rate groups. Each trains its 2 steps
     into its run directory."""
     trained = commands(r"^python train\.py --config")
     for command in trained:
-        data = [] if "data.source" in command.line else ["--config.data.source=path/to/input.txt"]
-        run(command, *(MAIN_JOB if "--config=" not in command.line else [*SHORT, *SMALL, *data]))
+        run(ran, command, *training_overrides(command))
     assert len(trained) >= 4
     assert {"deeper", "shakespeare_char", "shakespeare_char_cpu", "speedrun_cpu"} <= {
         run_dir.name for run_dir in (home / "runs").iterdir() if (run_dir / "checkpoints/2").is_dir()}
 
 
-def test_sample_and_eval_commands_on_the_main_job(main_job):
+def test_sample_and_eval_commands_on_the_main_job(ran, home, main_job):
     for command in commands(r"^python sample\.py --run_dir runs/default "):
-        out, _ = run(command, "--max_new_tokens", "2")
+        out, _ = run(ran, command, *SAMPLE)
         assert command.value("--prompt") in out, (command.line, out)
         if "--show_probs" in command.line:  # "the K likeliest next tokens" before each new token
             shown = [line.split(" ↦ ", 1)[1] for line in out.splitlines() if " ↦ " in line]
             assert shown and all(line.count("%") == int(command.value("--show_probs")) for line in shown), out
         if "--attention_png" in command.line:
-            assert Path(command.value("--attention_png")).stat().st_size > 0
+            assert (home / command.value("--attention_png")).stat().st_size > 0
     (loss,) = commands(r"^python eval\.py --run_dir runs/default$")
-    out, _ = run(loss)
+    out, _ = run(ran, loss)
     assert loss.comment.startswith("loss, perplexity, bits per byte")
     assert {"loss", "perplexity", "bits_per_byte"} <= set(json.loads(out))
     (choices,) = commands(r"^python eval\.py --run_dir runs/default --choices")
-    out, _ = run(choices)  # the page: it prints the items' acc, acc_norm and acc_bytes, and where each item went
+    out, _ = run(ran, choices)  # the page: it prints the items' acc, acc_norm and acc_bytes, and where each item went
     assert re.match(r"choices: \d+ items, acc [\d.]+%, acc_norm [\d.]+%, acc_bytes [\d.]+% \(predictions in "
                     r"runs/default/choices\.jsonl\)\n", out), out
     assert (main_job / "choices.jsonl").is_file()
 
 
-def test_export_and_picture_commands_on_the_main_job(main_job, home):
+def test_export_and_picture_commands_on_the_main_job(ran, main_job, home):
     for command in commands(r"jaxgpt\.export"):
-        out, _ = run(command)
+        out, _ = run(ran, command)
         folder = command.value("--out")
         assert out.startswith(f"wrote {folder}: ") and (home / folder / "vocab.json").is_file(), out
     for command in commands(r"jaxgpt\.viz"):
-        out, _ = run(command)
+        out, _ = run(ran, command)
         assert out == f"{command.value('--out')}\n" and (home / command.value("--out")).stat().st_size > 0
 
 
-def test_data_preparation_command(home):
+def test_data_preparation_command(ran):
     """DATA.md's preparation without training, on a folder of text with GPT-2's data settings but a
     small vocabulary: it prints the cache and each split."""
     (command,) = commands(r"^python -m jaxgpt\.data")
-    out, _ = run(command, "--config.data.vocab_size=300", "--config.data.workers=1")
+    out, _ = run(ran, command, *DATA)
     assert re.fullmatch(r"cache: \S+\ntrain: [\d,]+ tokens, .*\nval: [\d,]+ tokens, .*\n", out), out
