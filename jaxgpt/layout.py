@@ -93,6 +93,19 @@ def is_declared(node) -> bool:
     return isinstance(node, Declared)
 
 
+def by_path(declared) -> dict[str, Declared]:
+    """Each parameter's declaration keyed by its path (jax.tree_util.keystr): how any tree in the
+    params' structure (an optax transformation's share of them, updates, moments) finds the
+    declaration of each of its leaves, at_path."""
+    return {jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(declared, is_leaf=is_declared)}
+
+
+def at_path(found: dict[str, Declared], path) -> Declared:
+    """The declaration of the leaf at `path` (a key path) among by_path's; KeyError names the path."""
+    return found[jax.tree_util.keystr(path)]
+
+
 def check(params) -> None:
     """ValueError naming the first parameter made without a declaration, or whose names do
     not match its dimensions: a parameter without axes is an error, never replicated silently."""

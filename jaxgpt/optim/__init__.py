@@ -90,8 +90,7 @@ def per_param(fn, declared) -> Callable:
     """params ↦ the tree of fn(declaration) for each parameter, in the structure of the tree it
     is given (optax.partition hands its transformations their share of the params, the others
     masked), found by each parameter's path."""
-    found = {jax.tree_util.keystr(path): fn(leaf)
-             for path, leaf in jax.tree_util.tree_leaves_with_path(declared, is_leaf=layout.is_declared)}
+    found = {key: fn(leaf) for key, leaf in layout.by_path(declared).items()}
 
     def at(path, _):
         key = jax.tree_util.keystr(path)

@@ -133,8 +133,7 @@ def scale_by_banked_muon(declared, ns_coeffs, ns_steps: int, beta: float, eps: f
     momentum β (Nesterov when `nesterov`), then `orthogonalise` by banks with `ns_steps`
     Newton–Schulz steps of `ns_coeffs` ((a, b, c), or one row per step). The updates equal
     optax.contrib.scale_by_muon's with the declarations' dimension numbers."""
-    found = {jax.tree_util.keystr(path): leaf
-             for path, leaf in jax.tree_util.tree_leaves_with_path(declared, is_leaf=layout.is_declared)}
+    found = layout.by_path(declared)
 
     def matrices_of(tree) -> dict[str, Matrix]:
         return {key: matrix_of(key, leaf, found[key]) for key, leaf in
@@ -165,11 +164,10 @@ def scale_by_banked_muon(declared, ns_coeffs, ns_steps: int, beta: float, eps: f
 def scale_by_width(declared) -> optax.GradientTransformation:
     """u ← √max(1, fan_out/fan_in)·u for each matrix (fan_in its reduction axes' size, fan_out its
     output axes'): the width scaling of Muon's update that optax.contrib.muon applies. Stateless."""
-    found = {jax.tree_util.keystr(path): leaf
-             for path, leaf in jax.tree_util.tree_leaves_with_path(declared, is_leaf=layout.is_declared)}
+    found = layout.by_path(declared)
 
     def scale(path, u):
-        reduction, output = layout.matrix_axes(found[jax.tree_util.keystr(path)])
+        reduction, output = layout.matrix_axes(layout.at_path(found, path))
         fan_in, fan_out = (math.prod(u.shape[i] for i in group) for group in (reduction, output))
         return math.sqrt(max(1.0, fan_out / fan_in)) * u
 
@@ -202,11 +200,10 @@ def scale_by_neuron_norm(declared, beta2: float, eps: float = 1e-10) -> optax.Gr
     neuron_normalised. Each matrix's own rows: the batch axes (Q, K, V; the layers) are never
     reduced over. It runs in the parameters' layout, so under a mesh each reduction is XLA's
     over the devices that hold that matrix's shards."""
-    found = {jax.tree_util.keystr(path): leaf
-             for path, leaf in jax.tree_util.tree_leaves_with_path(declared, is_leaf=layout.is_declared)}
+    found = layout.by_path(declared)
 
     def axes_at(path) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return layout.matrix_axes(found[jax.tree_util.keystr(path)])
+        return layout.matrix_axes(layout.at_path(found, path))
 
     def init(params):
         def zeros(path, p):
