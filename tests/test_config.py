@@ -246,6 +246,8 @@ def test_a_config_file_that_does_not_load_is_a_one_line_error_naming_it(tmp_path
 @pytest.mark.parametrize("changes, expected", [
     (dict(temperature=float("inf")), r"^sample.temperature=inf: must be a finite number ≥ 0"),
     (dict(top_k=2.5), r"^sample.top_k=2.5: must be an integer ≥ 0"),
+    (dict(record="[1, 2]"), r"^sample.record='\[1, 2\]': must be a JSON object of a record's fields"),
+    (dict(record="{question: 1}"), r"^sample.record='\{question: 1\}': must be a JSON object"),
     (dict(prompt=None), r"^sample.prompt=None: must be a non-empty string"),
 ])
 def test_impossible_sample_settings_raise(changes, expected):
