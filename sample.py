@@ -47,8 +47,9 @@ from jaxgpt.data.records import PRESETS
 from jaxgpt.decode import beam, sampling
 from jaxgpt.decode.text import TextStream, format_next_tokens, prompt_or_start
 from jaxgpt.errors import tidy_cli_output
-from jaxgpt.model_config import DTYPES, WEIGHTS, check_kernel
+from jaxgpt.model_config import DTYPES, WEIGHTS
 from jaxgpt.quantize import params_for
+from jaxgpt.registries import check_kernel
 from jaxgpt.score.completions import RUN_TEMPLATE, prompt_record, record_prompt, templates_named
 from jaxgpt.train.run import load_run
 from jaxgpt.train.rundir import read_run
@@ -272,7 +273,7 @@ def print_beams(args, params, config, tokenizer, prompt: str, ids: list[int], co
 
 
 def check_kernel_here(args, compute: ComputeConfig) -> None:
-    """--kernel against the devices here and the model (model_config.check_kernel), before its
+    """--kernel against the devices here and the model (registries.check_kernel), before its
     params are read."""
     config = read_run(Path(args.run_dir))[1] if args.run_dir is not None else convert.load_hf_config(args.hf_dir)
     check_kernel(compute.kernel, config, jax.default_backend(), dtype=compute.dtype, flag="--kernel")

@@ -4,7 +4,7 @@
     python bench/bench_train.py --recipe        # also the full CPU recipe: val loss at step 2000
     python bench/bench_train.py --loop 3        # train.py's steady tokens/s against the step-only rate
     python bench/bench_train.py --prefetch 3    # the step-only rate with the loader against one batch reused
-    python bench/bench_train.py --matmul 5      # the CPU's matmul backward (ops.dot_general) against XLA's
+    python bench/bench_train.py --matmul 5      # the CPU's matmul backward (compute.matmul=auto) against XLA's
     python bench/bench_train.py --optimizers 5  # the CPU speedrun's step: Muon (banks; optax's) against AdamW
 
 Each shape runs in its own process (so peak RSS is its own): the jitted train step of
@@ -47,15 +47,16 @@ def load_config(name: str):
     return load(ROOT / "configs" / f"{name}.py")
 
 
-def measure(shape: str, prefetch: bool = True) -> dict:
+def measure(shape: str, prefetch: bool = True, compute=None) -> dict:
     """Run in a child process: compile, then time the train step on real batches (made ahead
-    by the prefetching loader, as train.py does), or with prefetch=False on one batch again."""
+    by the prefetching loader, as train.py does), or with prefetch=False on one batch again.
+    compute: the model's ComputeConfig (None: the default one)."""
     import jax
 
     from jaxgpt import data, sharding
     from jaxgpt.config import TrainConfig
     from jaxgpt.metrics import IN_FLIGHT, measure_matmul_peak
-    from jaxgpt.model import flops_per_token, param_layout
+    from jaxgpt.model import GPT, flops_per_token, param_layout
     from jaxgpt.optim import learning_rate_schedule, make_optimizer
     from jaxgpt.train.run import model_config
     from jaxgpt.train.step import make_train_step, seeded, sharded_init
@@ -73,9 +74,10 @@ def measure(shape: str, prefetch: bool = True) -> dict:
     tc = TrainConfig.from_mapping(config.train)
     mesh = sharding.make_mesh(config.mesh)
     optimizer = make_optimizer(tc, param_layout(cfg))
-    state, shardings = sharded_init(cfg, optimizer, tc.seed, mesh)
+    model = cfg if compute is None else GPT(cfg, compute)
+    state, shardings = sharded_init(model, optimizer, tc.seed, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
-    step_fn = jax.jit(seeded(make_train_step(cfg, optimizer, learning_rate_schedule(tc), accum)),
+    step_fn = jax.jit(seeded(make_train_step(model, optimizer, learning_rate_schedule(tc), accum)),
                       in_shardings=(shardings, (batch_sharding, batch_sharding), None),
                       out_shardings=(shardings, None), donate_argnums=0)
 
@@ -215,19 +217,16 @@ def compare_loop(pairs: int, child) -> None:
 
 
 def xla_gradient() -> dict:
-    """The CPU recipe's step-only rate with ops.linear's matmuls differentiated by XLA itself
-    (jax.lax.dot_general), in place of the 2-D matmuls with the written-out backward that
-    ops.dot_general uses on a CPU: what that workaround is worth on this machine."""
-    import jax
+    """The CPU recipe's step-only rate with the weight matmuls differentiated by XLA itself
+    (compute.matmul='xla'), in place of the 2-D matmuls with the written-out backward that a CPU
+    uses by default (jaxgpt.platforms.forms.cpu_matmul): what that workaround is worth here."""
+    from jaxgpt import ComputeConfig
 
-    from jaxgpt import ops
-
-    ops.linear = lambda x, w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
-    return measure("cpu_recipe")
+    return measure("cpu_recipe", compute=ComputeConfig(matmul="xla"))
 
 
 def compare_matmul(pairs: int, child) -> None:
-    """ops.dot_general's CPU backward against XLA's own gradient, alternating."""
+    """The CPU's matmul backward (forms.cpu_matmul) against XLA's own gradient, alternating."""
     ratio = alternate(pairs, child, "xla_gradient", "cpu_recipe", "ms_per_step")
     print(f"written-out backward / XLA's gradient: {ratio:.3f} of the step time (median of {pairs})")
 
@@ -253,7 +252,7 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=0, metavar="PAIRS",
                         help="also time the step-only rate with the prefetching loader against one batch reused")
     parser.add_argument("--matmul", type=int, default=0, metavar="PAIRS",
-                        help="also time the CPU recipe's step with XLA's own matmul gradient against ops.dot_general's")
+                        help="also time the CPU recipe's step with XLA's own matmul gradient against the CPU's form")
     args = parser.parse_args()
     if args.child:
         children = {"recipe": recipe, "loop": loop, "one_batch": lambda: measure("cpu_recipe", prefetch=False),

@@ -5,8 +5,9 @@ its dimensions, how many of them are a weight matrix's inputs (the axes it is mu
 along), and its group. `GPT.init` refuses a parameter made without one. From the
 declarations, never from module names:
 
-    shardings        RULES maps each logical axis to a mesh axis (or none): params and every
-                     optimizer state that mirrors them
+    shardings        RULES maps each logical axis to a mesh axis (or none), by Flax's
+                     nn.logical_to_mesh_axes: params and every optimizer state that mirrors
+                     them (pair: a leaf's declaration found by its path)
     groups           embed (lookup tables), head (the untied unembedding), matrix (the other
                      weight matrices), scalar (biases, gains): learning rates and weight decay
     muon_axes        a matrix's reduction (input) and output axes; BATCH axes hold several
@@ -24,6 +25,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import optax
 from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -106,6 +108,27 @@ def at_path(found: dict[str, Declared], path) -> Declared:
     return found[jax.tree_util.keystr(path)]
 
 
+def pair(fn, tree, declared, optimizer=None, other=None):
+    """fn(leaf, declaration) for every leaf of `tree` that mirrors a parameter, its declaration found
+    by its key path (at_path). `tree` is in the params' structure (params, gradients, updates, or
+    a transformation's share of them, the others masked by optax), or, given the `optimizer` (an
+    optax GradientTransformation) that made it, an optimizer state: optax.tree_map_params finds
+    its copies of the params' structure (AdamW's moments, Muon's momentum, NorMuon's statistics
+    per neuron), each handed here whole (its is_leaf: every node), and maps `other` (default:
+    keep) over its other leaves (step counts, Newton–Schulz coefficients)."""
+    found = by_path(declared)
+
+    def mirror(part):
+        return jax.tree_util.tree_map_with_path(lambda path, leaf: fn(leaf, at_path(found, path)), part)
+
+    if optimizer is None:
+        return mirror(tree)
+    def init(placeholder):  # the state's structure, traced: nothing is computed (a step count, …)
+        return jax.eval_shape(optimizer.init, placeholder)
+
+    return optax.tree_map_params(init, mirror, tree, transform_non_params=other, is_leaf=lambda _: True)
+
+
 def check(params) -> None:
     """ValueError naming the first parameter made without a declaration, or whose names do
     not match its dimensions: a parameter without axes is an error, never replicated silently."""
@@ -137,64 +160,57 @@ def check_rules(rules=RULES) -> dict[str, str | None]:
     return table
 
 
-def spec(leaf: Declared, mesh, rules=RULES) -> P:
-    """The mesh spec of one declared parameter: each logical axis by the rules, left whole where
-    its mesh axis does not divide the dimension (a vocabulary of 65 over 2), or is used already;
-    ValueError where a STRICT axis does not divide."""
-    table, used, dims = check_rules(rules), set(), []
+def splittable(leaf: Declared, mesh, rules=RULES) -> P:
+    """The logical axes of a declared parameter that `mesh` can split, as a PartitionSpec of
+    logical names (Flax's logical spec): a name is left out (None) where its mesh axis has one
+    device or does not divide the dimension (a vocabulary of 65 over 2), so that it holds no
+    mesh axis another dimension could take; ValueError where a STRICT axis does not divide."""
+    table, names = check_rules(rules), []
     for name, size in zip(leaf.names, leaf.value.shape, strict=True):
         axis = table.get(name)
         ways = 1 if axis is None else mesh.shape[axis]
-        if axis is not None and ways > 1 and size % ways and size > 1 and name in STRICT:  # one head: on every device
+        if ways > 1 and size % ways and size > 1 and name in STRICT:  # one head: on every device
             raise ValueError(f"{name}={size} is not divisible by the mesh's {axis} axis ({ways}): choose a multiple "
                              f"of mesh.{axis}, or a mesh.{axis} that divides it")
-        keep = axis is not None and ways > 1 and size % ways == 0 and axis not in used
-        used |= {axis} if keep else set()
-        dims.append(axis if keep else None)
-    return P(*dims)
+        names.append(name if ways > 1 and size % ways == 0 else None)
+    return P(*names)
+
+
+def spec(leaf: Declared, mesh, rules=RULES) -> P:
+    """The mesh spec of one declared parameter: Flax's nn.logical_to_mesh_axes of its splittable
+    axes, each logical axis to its mesh axis by the rules (in their order, a mesh axis to one
+    dimension at most: the value tables' vocab before their kv_heads), the rest whole."""
+    return nn.logical_to_mesh_axes(splittable(leaf, mesh, rules), rules)
 
 
 def param_shardings(layout, mesh, rules=RULES):
-    """A NamedSharding for every parameter of `layout`."""
-    return _map(lambda leaf: NamedSharding(mesh, spec(leaf, mesh, rules)), layout)
+    """A NamedSharding for every parameter of `layout` (Flax's nn.logical_to_mesh_sharding of
+    their splittable axes): each its `spec`."""
+    logical = _map(lambda leaf: splittable(leaf, mesh, rules), layout)
+    return nn.logical_to_mesh_sharding(logical, mesh, rules)
 
 
-def tree_shardings(tree, layout, mesh, rules=RULES):
-    """A NamedSharding for every leaf of `tree` (a train state: step, params, optimizer state):
-    a leaf whose path ends with a parameter's path and has its shape (the params themselves,
-    AdamW's moments, Muon's momentum) is laid out as that parameter, one with some of its
-    dimensions reduced to 1 (NorMuon's statistics per neuron) as it on the others; anything else
-    is whole."""
-    specs = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(layout, is_leaf=is_declared):
-        specs[_names(path)] = (tuple(leaf.value.shape), spec(leaf, mesh, rules))
+def tree_shardings(tree, declared, mesh, optimizer=None, rules=RULES):
+    """A NamedSharding for every leaf of `tree`, a tree in the params' structure or, with the
+    `optimizer` that made it, an optimizer state (see pair): a leaf that mirrors a parameter is
+    laid out by mirrored_spec, any other leaf whole."""
+    def place(leaf, declaration):
+        return NamedSharding(mesh, mirrored_spec(tuple(leaf.shape), declaration, mesh, rules))
 
-    def place(path, leaf):
-        names, shape = _names(path), tuple(getattr(leaf, "shape", ()))
-        for start in range(len(names)):
-            found = specs.get(names[start:])
-            if found is not None and found[0] == shape:
-                return NamedSharding(mesh, found[1])
-            reduced = None if found is None else _reduced(shape, *found)
-            if reduced is not None:
-                return NamedSharding(mesh, reduced)
-        return NamedSharding(mesh, P())
-
-    return jax.tree_util.tree_map_with_path(place, tree)
+    return pair(place, tree, declared, optimizer, other=lambda _: NamedSharding(mesh, P()))
 
 
-def _reduced(shape: tuple[int, ...], full: tuple[int, ...], at: P) -> P | None:
-    """The spec of a parameter (of shape `full`, laid out `at`) for a leaf of `shape`, that shape
-    with some dimensions 1: split as the parameter where it kept the size, whole where it is 1;
-    None for another shape."""
+def mirrored_spec(shape: tuple[int, ...], leaf: Declared, mesh, rules=RULES) -> P:
+    """The spec of a leaf of `shape` that mirrors the parameter `leaf` declares: the parameter's
+    for its shape (AdamW's moments, Muon's momentum); for its shape with some dimensions reduced
+    to 1 (NorMuon's statistics per neuron), split as the parameter on the dimensions it kept
+    and whole on those; whole (P()) for any other shape."""
+    full, at = tuple(leaf.value.shape), spec(leaf, mesh, rules)
+    if shape == full:
+        return at
     if len(shape) != len(full) or any(n not in (1, m) for n, m in zip(shape, full, strict=True)):
-        return None
-    axes = tuple(at) + (None,) * (len(full) - len(at))
-    return P(*(axis if n == m else None for n, m, axis in zip(shape, full, axes, strict=True)))
-
-
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
+        return P()
+    return P(*(axis if n == m else None for n, m, axis in zip(shape, full, at, strict=True)))
 
 
 def bytes_per_device(layout, mesh, rules=RULES) -> int:

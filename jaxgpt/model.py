@@ -12,6 +12,7 @@ it runs here. Generation passes an explicit cache in and gets the updated one ba
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -24,7 +25,10 @@ from jaxgpt.attention import FORMS, KERNELS, Where
 from jaxgpt.axes import rows_split
 from jaxgpt.blocks import layers_as, stack_layers, unstack_layers  # noqa: F401  (their home before jaxgpt.blocks)
 from jaxgpt.model_config import ComputeConfig, GPTConfig
+from jaxgpt.platforms import forms
 from jaxgpt.positions import SCHEMES
+from jaxgpt.quantize.layers import Int8Embed, Int8Linear
+from jaxgpt.registries import check_compute, check_model, compute_on
 
 INIT_STD = 0.02
 
@@ -52,26 +56,14 @@ def embedding_std(cfg: GPTConfig) -> float:
 # --- modules ------------------------------------------------------------------------------
 
 
-def matmul(w: dict, x):
-    """y = x W for x (..., n), in x's dtype: W a float kernel (n, m) ({'kernel'}), or int8 with a
-    scale per output channel ({'kernel_q'} (m, n), {'kernel_scale'} (m,): ops.int8_linear)."""
-    if "kernel_q" in w:
-        rows = ops.int8_linear(x.reshape(-1, x.shape[-1]), w["kernel_q"], w["kernel_scale"])
-        return rows.reshape(*x.shape[:-1], -1)
-    return ops.linear(x, w["kernel"].astype(x.dtype))
-
-
 class Linear(nn.Module):
     """y = x W + b, with W of shape (input dims…, output dims…): the input dims are the last
-    `n_in` axes of x. Computed as one 2-D matmul (`matmul`). `axes` names W's dimensions
+    `n_in` axes of x. Computed as one 2-D matmul (`product`). `axes` names W's dimensions
     (jaxgpt.layout: inputs first, then outputs); b is named by the output ones, and by `norm`
     for a vector of width d_model.
     W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual), or is zero at first with
-    `zero_init` (cfg.zero_init_out's projections).
-
-    With compute.weights="int8" W is read as kernel_q (output dims…, input dims…) int8 and
-    kernel_scale (output dims…): W ≈ dequantize(kernel_q, kernel_scale)ᵀ (ops.int8_linear);
-    such params come from jaxgpt.quantize, not from init."""
+    `zero_init` (cfg.zero_init_out's projections). With compute.weights="int8" the model makes
+    jaxgpt.quantize.layers.Int8Linear in its place (`dense`), with the same arguments."""
 
     features: tuple
     axes: tuple  # logical names of W's dimensions: n_in inputs, then one per feature
@@ -83,24 +75,24 @@ class Linear(nn.Module):
     residual: bool = False  # writes into the residual stream
     zero_init: bool = False  # W starts at zero
 
+    @staticmethod
+    def product(w: dict, x, compute: ComputeConfig):
+        """y = x W for x (..., n), in x's dtype, W the float kernel (n, m) ({'kernel'}): ops.linear
+        in compute.matmul's form (jaxgpt.platforms.forms.linear)."""
+        return forms.linear(x, w["kernel"].astype(x.dtype), compute.matmul)
+
     @nn.compact
     def weights(self, in_shape: tuple) -> dict:
-        """W as `matmul` takes it (flattened to (n, m), or int8 to (m, n) and (m,)) and b ('bias'),
-        made here the first time: what the untied unembedding gives `unembed`."""
+        """W as `product` takes it (flattened to (n, m)) and b ('bias'), made here the first time:
+        what the untied unembedding gives `unembed`."""
         out_shape = tuple(self.features)
-        in_axes, out_axes = self.axes[:self.n_in], self.axes[self.n_in:]
-        if self.compute.weights == "int8":
-            q = self.param("kernel_q", layout.declare(nn.initializers.zeros, (*out_axes, *in_axes), group=self.group),
-                           (*out_shape, *in_shape), jnp.int8)
-            scale = self.param("kernel_scale", layout.declare(nn.initializers.ones, out_axes), out_shape, jnp.float32)
-            w = {"kernel_q": q.reshape(scale.size, -1), "kernel_scale": scale.reshape(-1)}
-        else:
-            init = nn.initializers.zeros if self.zero_init else normal(kernel_std(self.cfg, math.prod(in_shape),
-                                                                                   self.residual))
-            kernel = self.param("kernel", layout.declare(init, self.axes, inputs=self.n_in, group=self.group),
-                                (*in_shape, *out_shape), self.compute.params_dtype)
-            w = {"kernel": kernel.reshape(math.prod(in_shape), math.prod(out_shape))}
+        init = nn.initializers.zeros if self.zero_init else normal(kernel_std(self.cfg, math.prod(in_shape),
+                                                                               self.residual))
+        kernel = self.param("kernel", layout.declare(init, self.axes, inputs=self.n_in, group=self.group),
+                            (*in_shape, *out_shape), self.compute.params_dtype)
+        w = {"kernel": kernel.reshape(math.prod(in_shape), math.prod(out_shape))}
         if self.use_bias:
+            out_axes = self.axes[self.n_in:]
             bias_axes = ("norm",) if out_axes == ("embed",) else out_axes
             w["bias"] = self.param("bias", layout.declare(nn.initializers.zeros, bias_axes), out_shape,
                                    self.compute.params_dtype)
@@ -110,31 +102,24 @@ class Linear(nn.Module):
         in_shape, batch = x.shape[x.ndim - self.n_in:], x.shape[: x.ndim - self.n_in]
         x2 = x.reshape(*batch, math.prod(in_shape)).astype(self.compute.compute_dtype)
         w = self.weights(in_shape)
-        y = matmul(w, x2).reshape(*batch, *self.features)
+        y = self.product(w, x2, self.compute).reshape(*batch, *self.features)
         if self.use_bias:
             y = y + w["bias"].astype(y.dtype)
         return rows_split(y)
 
 
-class Int8Embed(nn.Module):
-    """The token embedding with compute.weights="int8": E ≈ q·s row by row (ops.quantize, q
-    (V, d) int8, s (V,)), so E[x] = q[x]·s[x], and the tied unembedding x Eᵀ is
-    ops.int8_linear(x, q, s). Params embedding_q and embedding_scale, from jaxgpt.quantize."""
+def dense(compute: ComputeConfig) -> type[Linear] | type[Int8Linear]:
+    """The dense layer that reads compute's weights: Linear, or for weights="int8"
+    jaxgpt.quantize.layers.Int8Linear (the same arguments, `weights` and `product`)."""
+    return Int8Linear if compute.weights == "int8" else Linear
 
-    num_embeddings: int
-    features: int
-    dtype: jnp.dtype
 
-    def setup(self):
-        shape = (self.num_embeddings, self.features)
-        self.embedding_q = self.param("embedding_q", layout.declare(nn.initializers.zeros, ("vocab", "embed"),
-                                                                    group="embed"), shape, jnp.int8)
-        self.embedding_scale = self.param("embedding_scale", layout.declare(nn.initializers.ones, ("vocab",)),
-                                          shape[:1], jnp.float32)
+class Embed(nn.Embed):
+    """Flax's nn.Embed, E[x] for a table E (V, d), whose table is also the tied unembedding."""
 
-    def __call__(self, tokens):
-        rows = ops.dequantize(jnp.take(self.embedding_q, tokens, axis=0), jnp.take(self.embedding_scale, tokens))
-        return rows.astype(self.dtype)
+    def unembedding(self) -> dict:
+        """W_U = Eᵀ as Linear.product takes it."""
+        return {"kernel": self.embedding.T}
 
 
 class LayerNorm(nn.Module):
@@ -202,22 +187,22 @@ class CausalSelfAttention(nn.Module):
 
     def project(self, x):
         """Q (B, T, H, D), K and V (B, T, H_kv, D)."""
-        cfg, compute = self.cfg, self.compute
+        cfg, compute, Dense = self.cfg, self.compute, dense(self.compute)
         if cfg.n_kv_head == cfg.n_head:
-            qkv = Linear((3, cfg.n_head, cfg.head_dim), ("embed", "qkv", "heads", "head_dim"), cfg, compute,
-                         use_bias=cfg.bias, name="c_attn")(x)
+            qkv = Dense((3, cfg.n_head, cfg.head_dim), ("embed", "qkv", "heads", "head_dim"), cfg, compute,
+                        use_bias=cfg.bias, name="c_attn")(x)
             return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
-        q = Linear((cfg.n_head, cfg.head_dim), ("embed", "heads", "head_dim"), cfg, compute, use_bias=cfg.bias,
-                   name="q_proj")(x)
-        kv = Linear((2, cfg.n_kv_head, cfg.head_dim), ("embed", "kv", "kv_heads", "head_dim"), cfg, compute,
-                    use_bias=cfg.bias, name="kv_proj")(x)
+        q = Dense((cfg.n_head, cfg.head_dim), ("embed", "heads", "head_dim"), cfg, compute, use_bias=cfg.bias,
+                  name="q_proj")(x)
+        kv = Dense((2, cfg.n_kv_head, cfg.head_dim), ("embed", "kv", "kv_heads", "head_dim"), cfg, compute,
+                   use_bias=cfg.bias, name="kv_proj")(x)
         return q, kv[..., 0, :, :], kv[..., 1, :, :]
 
     def kernel(self, where: Where, deterministic: bool) -> str:
         """compute.kernel, or for 'auto' the platform's kernel that does what this call asks
         (attention dropout when training with it; segments for packed rows)."""
-        return self.compute.on(jax.default_backend(), self.cfg, training=not deterministic,
-                               packed=where.q_segments is not None).kernel
+        return compute_on(self.compute, jax.default_backend(), self.cfg, training=not deterministic,
+                          packed=where.q_segments is not None).kernel
 
     @nn.compact
     def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True, value_embed=None):
@@ -229,7 +214,8 @@ class CausalSelfAttention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg, self.compute, axis="head_dim", name="q_norm")(q)
             k = RMSNorm(cfg, self.compute, axis="head_dim", name="k_norm")(k)
-        q, k = scheme.rotate(cfg, q, k, where.q_positions)
+        rope = functools.partial(forms.rope, form=self.compute.rope)  # ops.rope in compute.rope's form
+        q, k = scheme.rotate(cfg, q, k, where.q_positions, rope)
 
         def on_weights(weights, whole: bool):
             if whole:  # the (T, S) map of all the queries, for pictures
@@ -239,8 +225,8 @@ class CausalSelfAttention(nn.Module):
         context, layer_cache = FORMS[cfg.attention].attend(
             cfg, KERNELS[self.kernel(where, deterministic)], q, k, v, where, layer_cache,
             lambda w: scheme.bias(cfg, w), on_weights)
-        out = Linear((cfg.d_model,), ("heads", "head_dim", "embed"), cfg, self.compute, n_in=2, use_bias=cfg.bias,
-                     residual=True, zero_init=cfg.zero_init_out, name="c_proj")
+        out = dense(self.compute)((cfg.d_model,), ("heads", "head_dim", "embed"), cfg, self.compute, n_in=2,
+                                  use_bias=cfg.bias, residual=True, zero_init=cfg.zero_init_out, name="c_proj")
         return out(context), layer_cache
 
 
@@ -256,16 +242,16 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, deterministic=True):
-        cfg, compute = self.cfg, self.compute
+        cfg, compute, Dense = self.cfg, self.compute, dense(self.compute)
         act, drop = ops.ACTIVATIONS[cfg.activation], Dropout(cfg.ffn_dropout)
         width = cfg.d_ff * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
-        h = drop(act(Linear((width,), ("embed", "mlp"), cfg, compute, use_bias=cfg.bias, name="c_fc")(x)),
+        h = drop(act(Dense((width,), ("embed", "mlp"), cfg, compute, use_bias=cfg.bias, name="c_fc")(x)),
                  deterministic)
         for i in range(2, cfg.ffn_layers + 1):
-            h = drop(act(Linear((cfg.d_ff,), ("mlp_in", "mlp"), cfg, compute, use_bias=cfg.bias, name=f"c_fc_{i}")(h)),
+            h = drop(act(Dense((cfg.d_ff,), ("mlp_in", "mlp"), cfg, compute, use_bias=cfg.bias, name=f"c_fc_{i}")(h)),
                      deterministic)
-        return Linear((cfg.d_model,), ("mlp", "embed"), cfg, compute, use_bias=cfg.bias, residual=True,
-                      zero_init=cfg.zero_init_out, name="c_proj")(h)
+        return Dense((cfg.d_model,), ("mlp", "embed"), cfg, compute, use_bias=cfg.bias, residual=True,
+                     zero_init=cfg.zero_init_out, name="c_proj")(h)
 
 
 class Block(nn.Module):
@@ -339,6 +325,12 @@ class GPT(nn.Module):
     cfg: GPTConfig
     compute: ComputeConfig = ComputeConfig()
 
+    def __post_init__(self):
+        """A name the registries do not hold is refused in one line when the model is made."""
+        check_model(self.cfg)
+        check_compute(self.compute)
+        super().__post_init__()
+
     def init(self, rngs, *args, **kwargs):
         """Flax's init, with every parameter a plain array. Each was made with its declaration
         (jaxgpt.layout.declare), which param_layout reads; one made without is refused here.
@@ -361,9 +353,9 @@ class GPT(nn.Module):
         if compute.weights == "int8":
             wte = Int8Embed(cfg.vocab_size, cfg.d_model, dtypes[0], name="wte")
         else:
-            wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=layout.declare(init, ("vocab", "embed"),
-                                                                                      group="embed"),
-                           dtype=dtypes[0], param_dtype=dtypes[1], name="wte")
+            wte = Embed(cfg.vocab_size, cfg.d_model, embedding_init=layout.declare(init, ("vocab", "embed"),
+                                                                                   group="embed"),
+                        dtype=dtypes[0], param_dtype=dtypes[1], name="wte")
 
         def position_table(rows: int) -> nn.Embed:
             table = layout.declare(init, ("positions", "embed"), group="embed")
@@ -384,12 +376,11 @@ class GPT(nn.Module):
         """The unembedding's weights as `unembed` takes them: W_U (Eᵀ when tied) and b_U ('bias')."""
         cfg, compute = self.cfg, self.compute
         if not cfg.tie_embeddings:
-            head = Linear((cfg.vocab_size,), ("embed", "vocab"), cfg, compute, group="head", use_bias=False,
-                          zero_init=cfg.zero_init_out, name="lm_head").weights((cfg.d_model,))
-        elif compute.weights == "int8":  # W_U = Eᵀ, E ≈ q·s row by row: W_U's output channels are E's rows
-            head = {"kernel_q": wte.embedding_q, "kernel_scale": wte.embedding_scale}
-        else:
-            head = {"kernel": wte.embedding.T}
+            lm_head = dense(compute)((cfg.vocab_size,), ("embed", "vocab"), cfg, compute, group="head",
+                                     use_bias=False, zero_init=cfg.zero_init_out, name="lm_head")
+            head = lm_head.weights((cfg.d_model,))
+        else:  # W_U = Eᵀ
+            head = wte.unembedding()
         if cfg.logits_bias:
             head["bias"] = self.param("logits_bias", layout.declare(nn.initializers.zeros, ("vocab",)),
                                       (cfg.vocab_size,), compute.params_dtype)
@@ -412,7 +403,7 @@ def unembed(cfg: GPTConfig, compute: ComputeConfig, head: dict, x):
     """logits = x W_U (+ b_U), float32, soft-capped to c·tanh(logits/c) with logit_softcap = c, for
     x (..., d) the final norm's output and head the unembedding's weights (GPT.unembedding): the one
     place logits are made, for the whole batch (GPT) or a chunk of its tokens (the chunked loss)."""
-    logits = matmul(head, rows_split(x).astype(compute.compute_dtype))
+    logits = dense(compute).product(head, rows_split(x).astype(compute.compute_dtype), compute)
     if "bias" in head:  # b_U
         logits = logits + head["bias"]
     logits = logits.astype(jnp.float32)

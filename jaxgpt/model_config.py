@@ -6,12 +6,12 @@
                    the compute and parameter dtypes, scan_layers. It belongs to the machine and
                    the command, not to the run: a resume or a sampler may choose any of it.
 
-    check_kernel   whether a kernel can compute a GPTConfig on a platform: what the model asks
-                   (needs: attention dropout in training, a bias, a window, segments) against
-                   what the kernel's record says it can do.
+The schema names no implementation: it checks types, ranges and how settings combine. Whether
+a name (model.positions, model.attention, compute.kernel, …) is one the code has is checked where
+a config is opened, against the registry where its entries are defined (jaxgpt.registries).
 
 Neither config asks which devices exist; every command checks its kernel against the devices
-and the model with check_kernel before anything compiles.
+and the model with registries.check_kernel before anything compiles.
 """
 
 from __future__ import annotations
@@ -21,27 +21,52 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxgpt import ops, previous, stack
-from jaxgpt.attention import FORMS, KERNELS
-from jaxgpt.attention.kernels import AUTO, DEVICES, for_platform
 from jaxgpt.errors import is_int, is_number
-from jaxgpt.positions import SCHEMES
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 INITS = ("gpt2", "he", "small")
-# The registries are the lists of valid names: positions (jaxgpt.positions.SCHEMES), attention
-# forms (jaxgpt.attention.FORMS), kernels (jaxgpt.attention.kernels.KERNELS), activations
-# (jaxgpt.ops.ACTIVATIONS) and feature maps (ops.FEATURE_MAPS); a new entry there is valid here at once.
+# The names of positions, attention forms, kernels, activations and feature maps are the registries'
+# where their entries are defined, checked where a config is opened (jaxgpt.registries).
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 WEIGHTS = ("float", "int8")  # how the weight matrices are stored: in param_dtype, or int8 with scales
-# what each ability of a kernel (jaxgpt.attention.kernels.Kernel) lets it do, as a refusal says it is missing
-ABILITIES = {"dropout": "apply attention dropout", "bias": "add a bias to the scores",
-             "window": "keep to a sliding window", "segments": "keep packed examples apart (segments)"}
 # the compute section's keys that older run directories kept in the model section, and the
 # kernels they named in model.attention
 COMPUTE_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
 OLD_KERNELS = ("explicit", "blocked", "xla", "cudnn")
+
+
+def value_embed_tables(value_embeds) -> tuple[tuple[int, ...], ...]:
+    """value_embeds as tuples (a saved config's lists too): one entry per table, the layers that
+    add it; a bare integer is a table of one layer. ValueError (one line) for anything else."""
+    def layers(entry):
+        entry = (entry,) if isinstance(entry, int) and not isinstance(entry, bool) else entry
+        if not isinstance(entry, (list, tuple)) or not entry or not all(
+                isinstance(layer, int) and not isinstance(layer, bool) for layer in entry):
+            raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: each entry is a table, the layer indices that "
+                             "add it (a tuple of ints, or one int), e.g. ((0, -3), (1, -2), (2, -1))")
+        return tuple(entry)
+
+    if not isinstance(value_embeds, (list, tuple)):
+        raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: must be a tuple of tables, each the layer "
+                         "indices that add it, e.g. ((0, -3), (1, -2), (2, -1)); () for none")
+    return tuple(layers(entry) for entry in value_embeds)
+
+
+def value_embed_layers(value_embeds, n_layer: int) -> dict[int, int]:
+    """{layer ℓ: the table k it adds} (a negative index counts from the end: −1 is the last
+    layer). ValueError (one line) for a layer that does not exist or is listed twice."""
+    found: dict[int, int] = {}
+    for table, layers in enumerate(value_embed_tables(value_embeds)):
+        for layer in layers:
+            if not -n_layer <= layer < n_layer:
+                raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: layer {layer} does not exist (n_layer="
+                                 f"{n_layer}: layers 0 … {n_layer - 1}, or −{n_layer} … −1 from the end)")
+            if layer % n_layer in found:
+                raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: layer {layer % n_layer} is listed twice; "
+                                 "each layer adds at most one table")
+            found[layer % n_layer] = table
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,49 +127,22 @@ class GPTConfig:
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
 
-    def _check_variants(self):
+    def _check_heads(self):
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
                              f"choose n_kv_head among the divisors of n_head")
-        scheme, form = SCHEMES[self.positions], FORMS[self.attention]
-        scheme.check(self)
-        form.check(self)
-        if scheme.asks and not form.has_weights:
-            plain = " or ".join(repr(name) for name, other in SCHEMES.items() if not other.asks)
-            raise ValueError(f"GPTConfig.attention={self.attention!r} with positions={self.positions!r}: the scheme "
-                             f"asks softmax scores for a {' and a '.join(scheme.asks)}, and this form forms none; use "
-                             f"positions={plain}")
-        defaults = {field.name: field.default for field in dataclasses.fields(self)}
-        for name, form in FORMS.items():
-            for key in form.keys:
-                if name != self.attention and defaults[key] is None and getattr(self, key) is not None:
-                    raise ValueError(f"GPTConfig.{key}={getattr(self, key)!r} with attention={self.attention!r}: "
-                                     f"only attention={name!r} reads it; leave it None or set attention={name!r}")
-        if self.ffn_layers > 1 and self.activation in ops.GATED_ACTIVATIONS:
-            raise ValueError(f"GPTConfig.ffn_layers={self.ffn_layers} with the gated activation "
-                             f"{self.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
 
     def __post_init__(self):
         self._resolve_defaults()
-        if self.attention in KERNELS:
-            raise ValueError(f"GPTConfig.attention={self.attention!r} is a kernel, how softmax attention runs: set "
-                             f"compute.kernel={self.attention!r} (and attention='softmax', the default)")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "d_ff", "n_kv_head", "head_dim",
                      "ffn_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive integer")
-        for name, valid in (
-            ("positions", SCHEMES),
-            ("norm", NORMS),
-            ("norm_position", NORM_POSITIONS),
-            ("activation", ops.ACTIVATIONS),
-            ("attention", FORMS),
-            ("init", INITS),
-            ("linear_feature", ops.FEATURE_MAPS),
-        ):
+        for name, valid in (("norm", NORMS), ("norm_position", NORM_POSITIONS), ("init", INITS)):
             _check_choice("GPTConfig", name, getattr(self, name), valid)
-        for name in ("parallel_block", "bias", "tie_embeddings", "logits_bias", "qk_norm", "zero_init_out"):
+        for name in ("parallel_block", "bias", "tie_embeddings", "logits_bias", "qk_norm", "zero_init_out", "smear",
+                     "unet_skips"):
             _check_bool("GPTConfig", name, getattr(self, name))
         for name in ("dropout", "ffn_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -155,15 +153,26 @@ class GPTConfig:
         if cap is not None and not (is_number(cap) and 0 < cap < float("inf")):
             raise ValueError(f"GPTConfig.logit_softcap={cap!r}: must be None (plain logits) or a positive number, "
                              f"the cap c of c·tanh(z/c) (15 or 30 are usual)")
-        self._check_variants()
-        object.__setattr__(self, "value_embeds", stack.value_embed_tables(self.value_embeds))  # a saved config's lists
-        stack.check(self)
-        previous.check(self)
+        self._check_heads()
+        object.__setattr__(self, "value_embeds", value_embed_tables(self.value_embeds))  # a saved config's lists
+        self._check_stack()
         if self.parallel_block and self.norm_position == "post":
             raise ValueError(
                 "GPTConfig.parallel_block=True with norm_position='post': the parallel block is "
                 "pre-norm (X + MHA(LN(X)) + FFN(LN(X))); set norm_position='pre'"
             )
+
+    def _check_stack(self):
+        """value_embeds on layers that exist, U-net skips with two layers to pair, a bigram table of
+        at least 2 rows."""
+        value_embed_layers(self.value_embeds, self.n_layer)
+        if self.unet_skips and self.n_layer < 2:
+            raise ValueError(f"GPTConfig.unet_skips=True with n_layer={self.n_layer}: a U-net pairs layer i with layer "
+                             "L−1−i and needs n_layer ≥ 2; set unet_skips=False or add layers")
+        size = self.bigram_table
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
+            raise ValueError(f"GPTConfig.bigram_table={size!r}: must be 0 (no bigram embedding) or the rows of its "
+                             f"table, at least 2 (one is kept for a token with none before; e.g. 5·vocab_size)")
 
     def replace(self, **changes) -> GPTConfig:
         """A copy with some fields changed (validated again). d_ff, head_dim and n_kv_head that
@@ -207,7 +216,7 @@ class ComputeConfig:
       compiled whatever n_layer is); blocks.layers_as converts params between the layouts.
     weights: "float" keeps every parameter in param_dtype. "int8" is weight-only quantisation
       for inference: each weight matrix (the Linear kernels and the token embedding, which is
-      also the tied unembedding) is int8 with a float32 scale per output channel (ops.quantize),
+      also the tied unembedding) is int8 with a float32 scale per output channel (quantize.layers),
       a quarter of float32's bytes to read per token; the rest stays in param_dtype. It
       approximates the function (within half a quantisation step per weight), so training
       refuses it; jaxgpt.quantize.params_for makes such params from float ones.
@@ -216,6 +225,13 @@ class ComputeConfig:
       whole number of chunks), with the loss's gradient taken chunk by chunk (chunked.chunked_cross_entropy),
       so that no device ever holds the logits of all its tokens, nor their gradient; evaluation and
       the likelihoods read the targets' log-probabilities chunk by chunk too.
+    matmul: the form of the weight matrices' products (jaxgpt.platforms.forms.MATMULS): xla = XLA's own
+      product and gradient; cpu = 2-D matmuls with a hand-written backward (int8 weights: a chunk
+      of rows at a time), measured faster on a CPU; auto = cpu on a CPU and xla elsewhere,
+      chosen when the program is lowered for its devices.
+    rope: the form of RoPE's rotation (forms.ROPES): pairs = ops.rope on the (…, D/2, 2) pairs;
+      lanes = over the whole last axis (a TPU lays out an axis of 2 as 128 lanes); auto = pairs
+      on a CPU and lanes elsewhere, chosen when the program is lowered.
     """
 
     kernel: str = "explicit"
@@ -225,13 +241,19 @@ class ComputeConfig:
     scan_layers: bool = False
     weights: str = "float"
     loss_chunk: int = 0
+    matmul: str = "auto"
+    rope: str = "auto"
 
     def __post_init__(self):
-        _check_choice("ComputeConfig", "kernel", self.kernel, (*KERNELS, AUTO))
+        if not isinstance(self.kernel, str):
+            raise ValueError(f"ComputeConfig.kernel={self.kernel!r}: must be a kernel's name, or 'auto'")
         if not (is_int(self.loss_chunk) and self.loss_chunk >= 0):
             raise ValueError(f"ComputeConfig.loss_chunk={self.loss_chunk!r}: must be an integer ≥ 0, the tokens per "
                              f"chunk of the loss on each device (0: the whole logits at once; 4096 is a usual chunk)")
         _check_choice("ComputeConfig", "weights", self.weights, WEIGHTS)
+        for name in ("matmul", "rope"):  # the forms' names: registries.check_compute
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"ComputeConfig.{name}={getattr(self, name)!r}: must be a form's name, or 'auto'")
         for name in ("dtype", "param_dtype"):
             _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
         for name in ("remat", "scan_layers"):
@@ -248,17 +270,6 @@ class ComputeConfig:
     def replace(self, **changes) -> ComputeConfig:
         return dataclasses.replace(self, **changes)
 
-    def on(self, platform: str, cfg: GPTConfig | None = None, *, training: bool = False,
-           packed: bool = False) -> ComputeConfig:
-        """This config for devices of `platform` ('cpu', 'gpu', 'tpu'): kernel 'auto' becomes
-        that platform's kernel (kernels.for_platform) among those that can compute `cfg` as
-        asked (needs: in training, attention dropout; packed rows' segments);
-        otherwise itself."""
-        if self.kernel != AUTO:
-            return self
-        asked = () if cfg is None else needs(cfg, training=training, packed=packed)
-        return self.replace(kernel=for_platform(platform, self.dtype, asked))
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -266,49 +277,6 @@ class ComputeConfig:
     def from_dict(cls, values: dict) -> ComputeConfig:
         """Build from a plain dict (e.g. a saved run's compute section); unknown keys are an error."""
         return _from_dict(cls, values)
-
-
-def needs(cfg, *, training: bool = False, packed: bool = False) -> dict[str, str]:
-    """What computing `cfg` asks of a softmax kernel: {ability of a Kernel: the setting that
-    asks it}. Attention dropout in training (model.dropout > 0), the form's and the positional
-    scheme's asks (a window, a bias), segments for packed rows; nothing of a form that forms
-    no softmax (it never calls the kernel)."""
-    form = FORMS[cfg.attention]
-    if not form.has_weights:
-        return {}
-    asked = {need: f"model.attention={cfg.attention!r}" for need in form.asks}
-    asked.update({need: f"model.positions={cfg.positions!r}" for need in SCHEMES[cfg.positions].asks})
-    if training and cfg.dropout > 0:
-        asked["dropout"] = f"model.dropout={cfg.dropout}"
-    if packed:
-        asked["segments"] = "packed records (data.format='records')"
-    return asked
-
-
-def check_kernel(kernel: str, cfg, platform: str, *, dtype="float32", training: bool = False, packed: bool = False,
-                 flag: str = "--config.compute.kernel") -> str:
-    """The kernel that computes `cfg` on devices of `platform` in `dtype` (`kernel`, or for
-    'auto' the one for_platform picks); a one-line ValueError naming `flag` and the kernels
-    that can when `kernel` needs another backend or dtype, or cannot do what cfg asks
-    (`needs`; cfg None: the model is not known yet, only the devices are checked). Every
-    command checks a kernel here, before anything compiles."""
-    asked = {} if cfg is None else needs(cfg, training=training, packed=packed)
-    if kernel == AUTO:
-        return for_platform(platform, dtype, asked)
-    record = KERNELS[kernel]
-    able = " or ".join(name for name, other in KERNELS.items() if other.runs(platform, dtype) and other.can(asked))
-    if record.backend not in (None, platform):
-        raise ValueError(f"{flag}={kernel} needs {DEVICES.get(record.backend, record.backend)}, but the devices are "
-                         f"{platform}: use {able} (the model computes the same)")
-    if not record.runs(platform, dtype):
-        dtypes = " or ".join(record.dtypes)
-        raise ValueError(f"{flag}={kernel} computes in {dtypes} only, not {jnp.dtype(dtype).name}: use {able} (the "
-                         f"model computes the same), or compute in {dtypes}")
-    for need, setting in asked.items():
-        if not getattr(record, need):
-            also = ", or model.dropout=0" if need == "dropout" else ""
-            raise ValueError(f"{flag}={kernel} does not {ABILITIES[need]} ({setting}): use {able}{also}")
-    return kernel
 
 
 def split_model(values: dict) -> tuple[dict, dict]:

@@ -1,13 +1,14 @@
 """The mathematics of a GPT as pure functions of arrays.
 
-One function per equation, no parameters and no Flax: `model.py` owns the parameters and
-composes these. Shape letters: B batch, T query positions, S key positions, H heads,
-D head size, d model width, V vocabulary.
+One function per equation, in the form it reads, no parameters and no Flax: `model.py` owns
+the parameters and composes these. The same functions computed another way where a backend
+measured faster (a matmul's gradient, RoPE by lanes, the int8 product) are
+`jaxgpt.platforms.forms`, chosen by the compute config. Shape letters: B batch, T query
+positions, S key positions, H heads, D head size, d model width, V vocabulary.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -18,60 +19,7 @@ import jax.numpy as jnp
 
 def linear(x, w):
     """y = x W for x (..., n) and W (n, m): 'Nn,nm->Nm' over all leading positions N."""
-    return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
-
-
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    """jax.lax.dot_general, and on a CPU, for the plain contraction y = x W (lhs's last k axes
-    against rhs's first k, no batch axes), `_cpu_matmul` of the two flattened to matrices.
-
-    The platform is chosen when the program is lowered, so a program lowered for a GPU or TPU
-    (even on a CPU host) is XLA's own dot_general and gradient. The model's float weight
-    matmuls reach it through `linear` (model.Linear and the tied unembedding)."""
-    library = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
-                                preferred_element_type=preferred_element_type)
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    k = len(lhs_contract)
-    plain = (not lhs_batch and not rhs_batch and tuple(lhs_contract) == tuple(range(lhs.ndim - k, lhs.ndim))
-             and tuple(rhs_contract) == tuple(range(k)))
-    if not plain:
-        return library(lhs, rhs)
-
-    def on_cpu(lhs, rhs):
-        rows, inner = lhs.shape[:lhs.ndim - k], lhs.shape[lhs.ndim - k:]
-        x = lhs.reshape(math.prod(rows), math.prod(inner))
-        w = rhs.reshape(math.prod(inner), math.prod(rhs.shape[k:]))
-        return _cpu_matmul(x, w, precision, preferred_element_type).reshape(*rows, *rhs.shape[k:])
-
-    return jax.lax.platform_dependent(lhs, rhs, cpu=on_cpu, default=library)
-
-
-# CPU only: with this gradient the CPU recipe's train step (configs/shakespeare_char_cpu.py,
-# 12×64 tokens on 2 devices) takes 0.52× the time it takes with XLA's own gradient of x @ w
-# (median ratio of 9 interleaved pairs of 100 steps; 0.47× in another run of 7) on a 2-core
-# Intel Xeon. No other backend has been measured, so the others use XLA's.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _cpu_matmul(x, w, precision, preferred_element_type):
-    """Y = X W for X (N, n) and W (n, m)."""
-    return jax.lax.dot(x, w, precision=precision, preferred_element_type=preferred_element_type)
-
-
-def _cpu_matmul_forward(x, w, precision, preferred_element_type):
-    return _cpu_matmul(x, w, precision, preferred_element_type), (x, w)
-
-
-def _cpu_matmul_backward(precision, preferred_element_type, residuals, dy):
-    """∂L/∂X = dY Wᵀ and ∂L/∂W = Xᵀ dY, with dY materialised first: XLA on a CPU otherwise
-    fuses the producer of dY (e.g. the GELU backward) into a transposed copy that runs
-    several times slower than the matmuls themselves."""
-    x, w = residuals
-    dy = jax.lax.optimization_barrier(dy)
-    dx = jnp.matmul(dy, w.T, precision=precision, preferred_element_type=x.dtype)
-    dw = jnp.matmul(x.T, dy, precision=precision, preferred_element_type=w.dtype)
-    return dx, dw
-
-
-_cpu_matmul.defvjp(_cpu_matmul_forward, _cpu_matmul_backward)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
 
 
 # --- masks and attention ---------------------------------------------------------------
@@ -258,24 +206,9 @@ def sinusoidal_positions(n, d):
 def rope(x, positions, base=10000.0):
     """RoPE: rotate each pair (x_{2j}, x_{2j+1}) by the angle θ_j = p·base^(−2j/D); x (B,T,H,D), positions (B,T)
     or (T,): y_{2j} = x_{2j} cos θ_j − x_{2j+1} sin θ_j, y_{2j+1} = x_{2j+1} cos θ_j + x_{2j} sin θ_j.
-    The same function two ways, chosen for the platform it is compiled for: by pairs on a CPU (rope_pairs),
-    over the whole last axis elsewhere (rope_lanes: a TPU lays out an axis of 2 as 128 lanes)."""
-    return jax.lax.platform_dependent(x, positions, cpu=functools.partial(rope_pairs, base=base),
-                                      default=functools.partial(rope_lanes, base=base))
-
-
-def rope_angles(positions, d: int, base: float, repeat: int):
-    """θ (B,T,1,D/2) of each pair j at each position p (repeat=1), or each pair's angle repeated for both of
-    its entries (repeat=2: (B,T,1,D))."""
-    pair = jnp.arange(d // 2 * repeat) // repeat
-    inv_freq = jnp.power(base, -(2 * pair).astype(jnp.float32) / d)
-    return jnp.asarray(positions, jnp.float32)[..., None, None] * inv_freq
-
-
-def rope_pairs(x, positions, base=10000.0):
-    """rope on the (…, D/2, 2) pairs: the rotation written as it reads."""
+    Computed on the (…, D/2, 2) pairs, in float32, and returned in x's dtype."""
     d = x.shape[-1]
-    angles = rope_angles(positions, d, base, repeat=1)
+    angles = rope_angles(positions, d, base)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], d // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -283,17 +216,11 @@ def rope_pairs(x, positions, base=10000.0):
     return rotated.reshape(x.shape).astype(x.dtype)
 
 
-def rope_lanes(x, positions, base=10000.0):
-    """rope over the whole last axis: y = x ⊙ cos θ + (x Π) ⊙ s ⊙ sin θ, θ each pair's angle repeated, Π the
-    (D, D) permutation that swaps each pair's entries (exact in any dtype) and s = (−1, +1, −1, …)."""
-    d = x.shape[-1]
-    lane = jnp.arange(d)
-    angles = rope_angles(positions, d, base, repeat=2)
-    swap = (lane[:, None] ^ 1) == lane[None, :]
-    partner = jnp.einsum("...d,de->...e", x, swap.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-    sign = jnp.where(lane % 2 == 0, -1.0, 1.0)
-    rotated = x.astype(jnp.float32) * jnp.cos(angles) + sign * partner.astype(jnp.float32) * jnp.sin(angles)
-    return rotated.astype(x.dtype)
+def rope_angles(positions, d: int, base: float):
+    """θ_j = p·base^(−2j/D) of each pair j = 0…D/2−1 at each position p: (B,T,1,D/2) for positions (B,T)."""
+    pair = jnp.arange(d // 2)
+    inv_freq = jnp.power(base, -(2 * pair).astype(jnp.float32) / d)
+    return jnp.asarray(positions, jnp.float32)[..., None, None] * inv_freq
 
 
 def alibi_slopes(n_head):
@@ -380,62 +307,3 @@ def target_logit(logits, targets):
 def perplexity(loss):
     """PPL = exp(L)."""
     return jnp.exp(loss)
-
-
-# --- weight-only int8 quantisation (inference) ---------------------------------------------
-# A matrix is kept outputs first, W (*out, *in), as the token embedding E (V, d) already is
-# for the unembedding: each output channel o is one contiguous row W_o.
-
-INT8_MAX = 127
-
-
-def quantize(w, n_in: int = 1):
-    """Symmetric per-output-channel int8 quantisation of W (*out, *in), its last n_in axes the
-    inputs: s_o = max_i |W_oi| / 127 (1 for an all-zero channel), q_oi = round(W_oi / s_o) ∈
-    [−127, 127]. Returns (q int8 (*out, *in), s float32 (*out)): |q_oi·s_o − W_oi| ≤ s_o/2."""
-    w32 = w.astype(jnp.float32)
-    inputs = tuple(range(w.ndim - n_in, w.ndim))
-    peak = jnp.max(jnp.abs(w32), axis=inputs)
-    scale = jnp.where(peak > 0, peak / INT8_MAX, 1.0)
-    q = jnp.round(w32 / scale.reshape(*scale.shape, *(1,) * n_in))
-    return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
-
-
-def dequantize(q, scale):
-    """W_oi ≈ q_oi · s_o for q (*out, *in) and s (*out), in float32."""
-    return q.astype(jnp.float32) * scale.reshape(*scale.shape, *(1,) * (q.ndim - scale.ndim)).astype(jnp.float32)
-
-
-# The int8 elements of one chunk of rows that one fused product reads on a CPU (4 MiB): GPT-2
-# small's decoding step took 14.9 ms with it, 16.1 ms with 1 MiB chunks and 27.4 ms in float32
-# (2-core Intel Xeon, differences of 32- and 160-token greedy runs).
-INT8_CHUNK_ELEMENTS = 1 << 22
-
-
-def int8_linear(x, q, scale):
-    """y = x Wᵀ with W = dequantize(q, s), for x (N, n), q (m, n), s (m,): y_o = s_o Σ_i x_i q_oi,
-    'Nn,mn->Nm', accumulated in float32 and returned in x's dtype.
-
-    On a CPU, XLA converts a whole int8 operand of a dot to float32 before the dot, so each
-    decoding step would write and read a float32 copy of every matrix. Here a loop takes the
-    rows a chunk at a time, and for one row of x XLA fuses the chunk's conversion into a
-    matrix-vector product that reads the int8 bytes themselves. The loop keeps x a
-    parameter of that product: unrolled, XLA would fuse x's producers (the norm before a
-    projection) into each product and compute them again for every output element."""
-    def product(x, q):  # int8 values are exact in any float dtype
-        return jax.lax.dot_general(x, q.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-    def on_cpu(x, q):
-        x, (m, n) = x.astype(jnp.float32), q.shape
-        step = max(1, min(INT8_CHUNK_ELEMENTS // n, -(-m // 2)))  # two chunks at least: a loop, not one product
-
-        def chunk_product(i, y):
-            start = jnp.minimum(i * step, m - step)  # the last chunk ends at the last row
-            chunk = jax.lax.dynamic_slice_in_dim(q, start, step)
-            rows = (x[0] @ chunk.astype(jnp.float32).T)[None] if x.shape[0] == 1 else product(x, chunk)
-            return jax.lax.dynamic_update_slice_in_dim(y, rows, start, axis=1)
-
-        return jax.lax.fori_loop(0, -(-m // step), chunk_product, jnp.zeros((x.shape[0], m), jnp.float32))
-
-    y = jax.lax.platform_dependent(x, q, cpu=on_cpu, default=product)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)

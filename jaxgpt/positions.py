@@ -2,7 +2,8 @@
 
     embed(cfg, x, positions, table)         X + P: the learned table (table(rows): an embedding
                                             module the model makes) or the sinusoid
-    rotate(cfg, q, k, positions)            RoPE: q and k rotated by their positions
+    rotate(cfg, q, k, positions, rope)      RoPE: q and k rotated by their positions with `rope`
+                                            (ops.rope in compute.rope's form: platforms.forms.rope)
     bias(cfg, where)                        ALiBi: the bias on the attention scores
     ends_at_block_size                      positions past block_size do not exist
     check(cfg)                              a one-line ValueError for shapes it cannot serve
@@ -28,7 +29,7 @@ class Scheme:
     def embed(self, cfg, x, positions, table):
         return x
 
-    def rotate(self, cfg, q, k, positions):
+    def rotate(self, cfg, q, k, positions, rope):
         return q, k
 
     def bias(self, cfg, where):
@@ -58,15 +59,15 @@ class Sinusoidal(Scheme):
 
 
 class Rope(Scheme):
-    """q, k rotated pairwise by angles proportional to their positions (ops.rope)."""
+    """q, k rotated pairwise by angles proportional to their positions (ops.rope, computed by `rope`)."""
 
     def check(self, cfg) -> None:
         if cfg.head_dim % 2:
             raise ValueError(f"GPTConfig.positions='rope' needs an even head size, but head_dim = {cfg.head_dim}: "
                              "choose an even head_dim (or d_model and n_head so that d_model/n_head is even)")
 
-    def rotate(self, cfg, q, k, positions):
-        return ops.rope(q, positions, cfg.rope_base), ops.rope(k, positions, cfg.rope_base)
+    def rotate(self, cfg, q, k, positions, rope):
+        return rope(q, positions, cfg.rope_base), rope(k, positions, cfg.rope_base)
 
 
 class Alibi(Scheme):

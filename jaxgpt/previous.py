@@ -78,13 +78,3 @@ class PreviousToken(nn.Module):
                                (cfg.bigram_table, cfg.d_model), dtype)
             e = e + jnp.take(table, bigram_hash(previous, tokens, has, cfg.bigram_table), axis=0).astype(e.dtype)
         return e
-
-
-def check(cfg) -> None:
-    """A one-line ValueError for a smear or bigram_table GPTConfig cannot take."""
-    if not isinstance(cfg.smear, bool):
-        raise ValueError(f"GPTConfig.smear={cfg.smear!r}: must be True or False")
-    size = cfg.bigram_table
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
-        raise ValueError(f"GPTConfig.bigram_table={size!r}: must be 0 (no bigram embedding) or the rows of its "
-                         f"table, at least 2 (one is kept for a token with none before; e.g. 5·vocab_size)")

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxgpt import axes, layout
 from jaxgpt.axes import rows_split
 from jaxgpt.blocks import STACKED, block_name
+from jaxgpt.model_config import ComputeConfig, GPTConfig, value_embed_layers
 
 GATE_INIT = 0.5  # λ at first: the speedrun mixed ½·V + ½·VE[x]
 SKIP_INIT = 1.0  # w at first: the speedrun's skip weights start at one
@@ -35,54 +36,10 @@ SKIP_INIT = 1.0  # w at first: the speedrun's skip weights start at one
 # --- which layers: the config read ------------------------------------------------------------
 
 
-def value_embed_tables(value_embeds) -> tuple[tuple[int, ...], ...]:
-    """value_embeds as tuples (a saved config's lists too): one entry per table, the layers that
-    add it; a bare integer is a table of one layer. ValueError (one line) for anything else."""
-    def layers(entry):
-        entry = (entry,) if isinstance(entry, int) and not isinstance(entry, bool) else entry
-        if not isinstance(entry, (list, tuple)) or not entry or not all(
-                isinstance(layer, int) and not isinstance(layer, bool) for layer in entry):
-            raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: each entry is a table, the layer indices that "
-                             "add it (a tuple of ints, or one int), e.g. ((0, -3), (1, -2), (2, -1))")
-        return tuple(entry)
-
-    if not isinstance(value_embeds, (list, tuple)):
-        raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: must be a tuple of tables, each the layer "
-                         "indices that add it, e.g. ((0, -3), (1, -2), (2, -1)); () for none")
-    return tuple(layers(entry) for entry in value_embeds)
-
-
-def value_embed_layers(value_embeds, n_layer: int) -> dict[int, int]:
-    """{layer ℓ: the table k it adds} (a negative index counts from the end: −1 is the last
-    layer). ValueError (one line) for a layer that does not exist or is listed twice."""
-    found: dict[int, int] = {}
-    for table, layers in enumerate(value_embed_tables(value_embeds)):
-        for layer in layers:
-            if not -n_layer <= layer < n_layer:
-                raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: layer {layer} does not exist (n_layer="
-                                 f"{n_layer}: layers 0 … {n_layer - 1}, or −{n_layer} … −1 from the end)")
-            if layer % n_layer in found:
-                raise ValueError(f"GPTConfig.value_embeds={value_embeds!r}: layer {layer % n_layer} is listed twice; "
-                                 "each layer adds at most one table")
-            found[layer % n_layer] = table
-    return found
-
-
 def skip_sources(n_layer: int) -> dict[int, int]:
     """{layer L−1−i: i} for i < ⌊L/2⌋: the layer whose input receives the output of layer i
     (with L odd, the middle layer receives none)."""
     return {n_layer - 1 - i: i for i in range(n_layer // 2)}
-
-
-def check(cfg) -> None:
-    """ValueError (one line) for value embeddings on layers that do not exist, or U-net skips
-    that are not a bool or have no two layers to pair."""
-    value_embed_layers(cfg.value_embeds, cfg.n_layer)
-    if not isinstance(cfg.unet_skips, bool):
-        raise ValueError(f"GPTConfig.unet_skips={cfg.unet_skips!r}: must be True or False")
-    if cfg.unet_skips and cfg.n_layer < 2:
-        raise ValueError(f"GPTConfig.unet_skips=True with n_layer={cfg.n_layer}: a U-net pairs layer i with layer "
-                         "L−1−i and needs n_layer ≥ 2; set unet_skips=False or add layers")
 
 
 # --- the math ---------------------------------------------------------------------------------
@@ -111,8 +68,8 @@ class ValueEmbeds(nn.Module):
     """The tables VE_k (V, n_kv_head, head_dim), drawn by `table_init`, and the gates λ_ℓ of
     the layers that add them: params table_k and gate_ℓ."""
 
-    cfg: Any  # GPTConfig
-    compute: Any  # ComputeConfig
+    cfg: GPTConfig
+    compute: ComputeConfig
     table_init: Any
 
     @nn.compact
@@ -202,8 +159,8 @@ class Layer(nn.Module):
     slot. The block shares this module's scope, so its params keep the block's own names."""
 
     block: Any  # model.Block or its remat
-    cfg: Any
-    compute: Any
+    cfg: GPTConfig
+    compute: ComputeConfig
 
     def setup(self):
         self.inner = self.block(self.cfg, self.compute)

@@ -6,7 +6,9 @@ import pytest
 from jaxgpt import ComputeConfig, GPTConfig
 from jaxgpt.config import default_config
 from jaxgpt.errors import ConfigError
+from jaxgpt.model import GPT
 from jaxgpt.model_config import split_model
+from jaxgpt.registries import check_model, open_compute
 from jaxgpt.train.run import compute_config
 
 
@@ -43,8 +45,44 @@ def test_defaults_are_gpt2():
     ],
 )
 def test_impossible_settings_raise(changes, expected):
+    """As a config is opened (registries.check_model): the schema's checks, then the names against the
+    registries where their entries are defined."""
     with pytest.raises(ValueError, match=expected):
-        GPTConfig(**{**dict(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8), **changes})
+        check_model(GPTConfig(**{**dict(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8), **changes}))
+
+
+@pytest.mark.parametrize("changes, expected", [
+    (dict(positions="rotary"), r"^GPTConfig.positions='rotary': must be one of learned, sinusoidal, rope, alibi, "
+                               r"none$"),
+    (dict(attention="local"), r"^GPTConfig.window=None with attention='local'"),
+])
+def test_a_model_made_from_a_config_with_a_name_no_registry_holds_is_refused_in_one_line(changes, expected):
+    """The schema names no implementation, so GPTConfig takes any name; the model made from it refuses
+    it, before anything is traced."""
+    cfg = GPTConfig(**{**dict(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8), **changes})
+    with pytest.raises(ValueError, match=expected):
+        GPT(cfg)
+    with pytest.raises(ValueError, match=expected):
+        GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=8)).clone(cfg=cfg)
+
+
+def test_the_schema_imports_no_implementation():
+    """model_config, data_config and config import only the schema's own modules and errors."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "jaxgpt"
+    allowed = {"jaxgpt.errors", "jaxgpt.model_config", "jaxgpt.data_config", "jaxgpt.batch_schedule"}
+    for name in ("model_config", "data_config", "config", "batch_schedule"):
+        found = set()
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "jaxgpt":
+                found |= {f"jaxgpt.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        assert {module for module in found if module.startswith("jaxgpt")} <= allowed, name
 
 
 @pytest.mark.parametrize("changes, expected", [
@@ -54,7 +92,7 @@ def test_impossible_settings_raise(changes, expected):
 ])
 def test_impossible_compute_settings_raise(changes, expected):
     with pytest.raises(ValueError, match=expected):
-        ComputeConfig(**changes)
+        open_compute(changes)
 
 
 def test_a_cudnn_compute_config_is_valid_anywhere_and_the_model_it_runs_is_softmax():

@@ -9,6 +9,7 @@ import pytest
 import reference as ref
 
 from jaxgpt.attention import Where, kernels
+from jaxgpt.registries import compute_on
 
 pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
 T = 128  # one block of the kernel's default block sizes
@@ -69,6 +70,6 @@ def test_auto_is_the_kernel_of_the_platform_compiled_for():
     from jaxgpt.config import ComputeConfig
 
     half, full = ComputeConfig(kernel="auto", dtype="bfloat16"), ComputeConfig(kernel="auto")
-    assert [half.on(p).kernel for p in ("tpu", "gpu", "cpu")] == ["flash", "cudnn", "explicit"]
-    assert full.on("gpu").kernel == "xla"  # cuDNN's attention computes in 16 bits only
-    assert ComputeConfig(kernel="xla").on("tpu").kernel == "xla"  # a kernel chosen by name stays
+    assert [compute_on(half, p).kernel for p in ("tpu", "gpu", "cpu")] == ["flash", "cudnn", "explicit"]
+    assert compute_on(full, "gpu").kernel == "xla"  # cuDNN's attention computes in 16 bits only
+    assert compute_on(ComputeConfig(kernel="xla"), "tpu").kernel == "xla"  # a kernel chosen by name stays

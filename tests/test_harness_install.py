@@ -55,3 +55,34 @@ def test_the_entry_point_jaxgpt_loads_the_model_the_command_line_runs():
     model = points[0].load()
     assert model is get_model("jaxgpt")  # what the harness builds for --model jaxgpt
     assert issubclass(model, LM)
+
+
+def test_a_failed_preload_interrupts_the_main_thread_again_until_it_is_heard(monkeypatch):
+    """An interrupt that lands while the main thread runs a callback (JAX's after a garbage collection)
+    is dropped by Python: the preload sends it again until the main thread waits for it, and the
+    dropped one prints nothing."""
+    import threading
+    import types
+
+    from jaxgpt.harness import preload
+
+    background = preload.Background.__new__(preload.Background)
+    background._lock, background._waited, background.error = threading.Lock(), False, OSError("gone")
+    sent = []
+
+    def interrupt_main():  # the third is heard: the main thread waits for the preload then
+        sent.append(1)
+        if len(sent) == 3:
+            background._waited = True
+
+    monkeypatch.setattr(preload._thread, "interrupt_main", interrupt_main)
+    monkeypatch.setattr(preload, "INTERRUPT_AGAIN_S", 0.0)
+    background._interrupt_until_heard()
+    assert len(sent) == 3
+
+    shown = []
+    monkeypatch.setattr(preload, "_started", [background])
+    hook = preload._quiet_dropped_interrupts(shown.append)
+    hook(types.SimpleNamespace(exc_type=KeyboardInterrupt))
+    hook(types.SimpleNamespace(exc_type=ValueError))
+    assert [event.exc_type for event in shown] == [ValueError]

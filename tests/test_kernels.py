@@ -1,5 +1,5 @@
 """The kernels' records (jaxgpt.attention.kernels.KERNELS) and the one check of a kernel
-(jaxgpt.model_config.check_kernel): 'auto' picks a kernel that can compute what the model asks on
+(jaxgpt.registries.check_kernel): 'auto' picks a kernel that can compute what the model asks on
 every platform, a kernel chosen by name that cannot is refused in one line naming those that
 can, and what each record says of attention dropout is what its kernel does."""
 
@@ -12,7 +12,8 @@ from jaxgpt.attention import KERNELS, Kernel, Where, kernels
 from jaxgpt.config import default_config
 from jaxgpt.errors import ConfigError
 from jaxgpt.model import CausalSelfAttention
-from jaxgpt.model_config import ComputeConfig, GPTConfig, check_kernel, needs
+from jaxgpt.model_config import ComputeConfig, GPTConfig
+from jaxgpt.registries import check_kernel, check_model, compute_on, needs
 from jaxgpt.train.opening import compute_config
 
 
@@ -24,11 +25,11 @@ def tiny(**changes) -> GPTConfig:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_auto_in_training_with_attention_dropout_picks_a_kernel_that_applies_it(platform, dtype):
     compute, cfg = ComputeConfig(kernel="auto", dtype=dtype), tiny(dropout=0.1)
-    kernel = compute.on(platform, cfg, training=True).kernel
+    kernel = compute_on(compute, platform, cfg, training=True).kernel
     assert KERNELS[kernel].dropout and KERNELS[kernel].runs(platform, dtype)
     assert check_kernel("auto", cfg, platform, dtype=dtype, training=True) == kernel
     # without dropout to apply (sampling, or no dropout), the platform's own fused kernel
-    assert compute.on(platform, cfg).kernel == compute.on(platform, tiny(), training=True).kernel == \
+    assert compute_on(compute, platform, cfg).kernel == compute_on(compute, platform, tiny(), training=True).kernel == \
         {"cpu": "explicit", "gpu": "cudnn" if dtype == "bfloat16" else "xla", "tpu": "flash"}[platform]
 
 
@@ -101,7 +102,7 @@ def test_a_kernel_without_an_ability_the_model_asks_for_is_refused(monkeypatch, 
 def test_a_positional_bias_needs_a_form_with_softmax_scores():
     with pytest.raises(ValueError, match=r"attention='linear' with positions='alibi': the scheme asks softmax "
                                          r"scores for a bias, and this form forms none; use positions='learned' or"):
-        tiny(attention="linear", positions="alibi")
+        check_model(tiny(attention="linear", positions="alibi"))
 
 
 # --- what the records say of dropout is what the kernels do ---------------------------------------

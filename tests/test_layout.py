@@ -23,13 +23,19 @@ PACKAGE = ROOT / "jaxgpt"
 LAYERS = (
     ("errors", "files", "lazy", "ops", "blocks", "axes", "platforms"),
     # blocks: their names and layer layouts; axes: the mesh's names; platforms: JAX's
+    ("platforms.forms",),  # the equations' platform forms: ops computed another way, named by the compute config
+    # the schema beneath the code: the model's and the data's sections, the rows of each step; it names no
+    # implementation (the names a key may take are checked where a config is opened: registries)
+    ("model_config", "data_config", "batch_schedule"),
+    ("config",),  # the whole run's schema: its sections, defaults and loading
     ("layout",),  # parameters' declarations: logical axes, groups, the rules to the mesh
     # registries of forms, kernels, schemes; stack: the blocks composed, with value embeddings and U-net skips;
-    # previous: what a token takes from the token before it (smear, bigram hash)
-    ("attention", "positions", "stack", "previous"),
-    ("model_config", "optim"),  # validate names against those registries; optim: the optimizers and Muon's banks
-    ("data_config", "batch_schedule"),  # the data section of the schema; the rows of each step
-    ("config", "tokenizers", "checkpoint", "sharding", "metrics", "lock"),
+    # previous: what a token takes from the token before it (smear, bigram hash); quantize.layers: the int8 layers
+    ("attention", "positions", "stack", "previous", "quantize.layers"),
+    # optim: the optimizers and Muon's banks (a train section's names checked against its registries);
+    # registries: a model's and a compute section's names checked against the registries where they are defined
+    ("optim", "registries"),
+    ("tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),
     # what the model says of its targets: the loss and log-probabilities, whole or a chunk at a time, k tokens ahead
@@ -82,10 +88,18 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     return {name: imports_of(name, path.read_text(), set(found)) for name, path in found.items()}
 
 
+# A package is one unit, but for a module of it that LAYERS names by its dotted name: quantize.layers, the int8
+# layers the model picks (by compute.weights), lies below the model, and quantize's params (which trace the model
+# to find its matrices) above it. A module belongs to the longest unit name that prefixes it.
+UNITS = {name for units in LAYERS for name in units}
+
+
 def unit(name: str) -> str:
-    """The unit a module's layer is decided by: jaxgpt.data.cache → data; jaxgpt → jaxgpt."""
+    """The unit a module's layer is decided by: jaxgpt.data.cache → data; jaxgpt.quantize.layers →
+    quantize.layers, jaxgpt.quantize.params → quantize; jaxgpt → jaxgpt."""
     parts = name.split(".")
-    return parts[1] if len(parts) > 1 else parts[0]
+    named = [".".join(parts[1:cut]) for cut in range(len(parts), 2, -1) if ".".join(parts[1:cut]) in UNITS]
+    return named[0] if named else parts[1] if len(parts) > 1 else parts[0]
 
 
 def layer_of(name: str) -> int:
@@ -191,9 +205,9 @@ def test_the_model_imports_its_configs_from_model_config_not_the_run_schema():
 
 
 # Callers ask a form, scheme or kernel's record what it does (Form.has_weights, Scheme.asks,
-# Kernel.dropout, …), never its name. The registries' own files, and the config's check of the
-# names, are where names are read.
-NAMES_READ_HERE = ("jaxgpt/attention/", "jaxgpt/positions.py", "jaxgpt/model_config.py")
+# Kernel.dropout, …), never its name. The registries' own files, and the check of a config's
+# names where it is opened (registries.py), are where names are read.
+NAMES_READ_HERE = ("jaxgpt/attention/", "jaxgpt/positions.py", "jaxgpt/registries.py")
 # Tests by name in files their owners are changing now, at most so many: each to ask the record instead
 NAME_TESTS_TO_GO: dict[str, int] = {}
 

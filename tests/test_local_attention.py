@@ -13,6 +13,7 @@ from test_model import decode_step_by_step, forward, random_params, tiny, tokens
 from jaxgpt import ComputeConfig, GPTConfig, init_cache
 from jaxgpt.attention import KERNELS, Kernel, RingCache, kernels
 from jaxgpt.decode import sampling
+from jaxgpt.registries import check_compute, check_model
 
 
 def close(a, b, tol=1e-5):
@@ -29,7 +30,7 @@ def test_a_kernel_added_to_the_registry_is_a_compute_setting_at_once(monkeypatch
         return kernels.explicit(q, k, v, where, bias_of, on_weights)
 
     with pytest.raises(ValueError, match=r"kernel='counting': must be one of explicit, blocked, xla, cudnn"):
-        ComputeConfig(kernel="counting")
+        check_compute(ComputeConfig(kernel="counting"))
     monkeypatch.setitem(KERNELS, "counting", Kernel(counting, backend=None, dropout=True, bias=True, window=True,
                                                     segments=True))
     cfg = tiny()
@@ -40,7 +41,7 @@ def test_a_kernel_added_to_the_registry_is_a_compute_setting_at_once(monkeypatch
 
 def test_a_window_is_only_for_the_local_form():
     with pytest.raises(ValueError, match=r"window=8 with attention='softmax': only attention='local' reads it"):
-        GPTConfig(window=8)
+        check_model(GPTConfig(window=8))
 
 
 @pytest.mark.parametrize("kernel", ["explicit", "blocked", "xla"])

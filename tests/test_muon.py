@@ -254,7 +254,7 @@ for scan in (False, True):
     for shape in ((1, 1, 1), (8, 1, 1), (1, 8, 1)):
         mesh = sharding.make_mesh(dict(zip(sharding.AXES, shape)), jax.devices()[:int(np.prod(shape))])
         at = layout.param_shardings(declared, mesh)
-        state = jax.device_put(ours.init(params), layout.tree_shardings(ours.init(params), declared, mesh))
+        state = jax.device_put(ours.init(params), layout.tree_shardings(ours.init(params), declared, mesh, ours))
         placed = jax.device_put(params, at)
         with jax.set_mesh(mesh):
             step = jax.jit(ours.update).lower(placed, state, placed).compile()

@@ -2,7 +2,6 @@
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,26 +103,13 @@ def test_sinusoidal_positions_element_by_element(n, d):
             assert pe[i, 2 * j + 1] == pytest.approx(math.cos(angle), abs=2e-5)
 
 
-@pytest.mark.parametrize("rope", [ops.rope, ops.rope_pairs, ops.rope_lanes])
 @pytest.mark.parametrize("shape", [(1, 5, 2, 4), (2, 6, 3, 8)])
-def test_rope(rng, shape, rope):
+def test_rope(rng, shape):
+    """ops.rope; its other forms are tests/test_forms.py's."""
     x = rng.standard_normal(shape)
     positions = rng.integers(0, 100, size=shape[:2])
-    got = rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions))
+    got = ops.rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions))
     np.testing.assert_allclose(np.asarray(got), ref.rope(x, positions), rtol=1e-4, atol=1e-4)
-
-
-def test_rope_by_lanes_equals_rope_by_pairs_in_bfloat16_and_in_its_gradient(rng):
-    """The TPU's and GPU's form swaps each pair by a permutation matmul: exact in bfloat16, and its gradient
-    is the pairs' (the CPU's form)."""
-    x = jnp.asarray(rng.standard_normal((2, 7, 3, 16)), jnp.bfloat16)
-    positions = jnp.asarray(rng.integers(0, 1000, size=(2, 7)))
-    np.testing.assert_array_equal(np.asarray(ops.rope_lanes(x, positions), np.float32),
-                                  np.asarray(ops.rope_pairs(x, positions), np.float32))
-    weights = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-    grads = [jax.grad(lambda x, f=f: (f(x, positions) * weights).sum())(x.astype(jnp.float32))
-             for f in (ops.rope_lanes, ops.rope_pairs)]
-    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(grads[1]), rtol=1e-6, atol=1e-6)
 
 
 def test_rope_scores_depend_only_on_relative_position(rng):
@@ -254,94 +240,3 @@ def test_linear_and_its_gradients(rng, shape):
     dx, dw = jax.grad(lambda x, w: (ops.linear(x, w) * f32(g)).sum(), argnums=(0, 1))(f32(x), f32(w))
     np.testing.assert_allclose(np.asarray(dx), g @ w.T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(dw), x.reshape(-1, shape[-1]).T @ g.reshape(-1, 3), rtol=1e-5, atol=1e-5)
-
-
-# (lhs shape, rhs shape, dimension numbers): the plain contractions y = x W that a CPU
-# computes with its own gradient, and others that go to jax.lax.dot_general everywhere
-DOT_GENERAL_CASES = [
-    ((2, 6, 8), (8, 3), (((2,), (0,)), ((), ())), True),
-    ((2, 3, 4, 5), (4, 5, 6), (((2, 3), (0, 1)), ((), ())), True),
-    ((5, 4), (4, 2, 3), (((1,), (0,)), ((), ())), True),
-    ((6, 8), (3, 8), (((1,), (1,)), ((), ())), False),
-    ((3, 4, 5), (5, 4, 2), (((2, 1), (0, 1)), ((), ())), False),
-    ((2, 6, 8), (2, 8, 3), (((2,), (1,)), ((0,), (0,))), False),
-]
-
-
-@pytest.mark.parametrize(("lhs_shape", "rhs_shape", "dims", "plain"), DOT_GENERAL_CASES)
-def test_dot_general_and_its_gradients_equal_lax_dot_general_in_float64(rng, lhs_shape, rhs_shape, dims, plain):
-    import jax
-
-    with jax.enable_x64(True):
-        lhs, rhs = jnp.asarray(rng.standard_normal(lhs_shape)), jnp.asarray(rng.standard_normal(rhs_shape))
-        want = jax.lax.dot_general(lhs, rhs, dims)
-        g = jnp.asarray(rng.standard_normal(want.shape))
-
-        def loss(dot):
-            return lambda lhs, rhs: (dot(lhs, rhs, dims) * g).sum()
-
-        got = ops.dot_general(lhs, rhs, dims)
-        assert got.dtype == jnp.float64
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
-        grad = jax.jit(jax.grad(loss(ops.dot_general), argnums=(0, 1)))
-        for got_grad, want_grad in zip(grad(lhs, rhs), jax.grad(loss(jax.lax.dot_general), argnums=(0, 1))(lhs, rhs),
-                                       strict=True):
-            np.testing.assert_allclose(np.asarray(got_grad), np.asarray(want_grad), rtol=1e-12, atol=1e-12)
-        assert ("optimization_barrier" in grad.lower(lhs, rhs).as_text()) == plain  # the CPU's gradient, or XLA's
-
-
-def test_dot_general_keeps_precision_and_the_preferred_element_type(rng):
-    """bfloat16 operands with a float32 result, as lax.dot_general gives them; the gradients
-    in the operands' dtype, within bfloat16 rounding of lax.dot_general's."""
-    import jax
-
-    lhs = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.standard_normal((16, 4)), jnp.bfloat16)
-    dims = (((2,), (0,)), ((), ()))
-    options = dict(precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    got, want = ops.dot_general(lhs, rhs, dims, **options), jax.lax.dot_general(lhs, rhs, dims, **options)
-    assert got.dtype == want.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-
-    def grads(dot):
-        return jax.grad(lambda lhs, rhs: dot(lhs, rhs, dims, **options).sum(), argnums=(0, 1))(lhs, rhs)
-
-    for got_grad, want_grad in zip(grads(ops.dot_general), grads(jax.lax.dot_general), strict=True):
-        assert got_grad.dtype == want_grad.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(got_grad, np.float32), np.asarray(want_grad, np.float32), rtol=1e-2,
-                                   atol=1e-2)
-
-
-def test_flax_dense_general_computes_with_dot_general(rng):
-    """nn.DenseGeneral(dot_general=ops.dot_general) over two input axes: the outputs and
-    gradients of Flax's own."""
-    import flax.linen as nn
-    import jax
-
-    x = jnp.asarray(rng.standard_normal((2, 3, 4, 5)), jnp.float32)
-    ours, flax_own = (nn.DenseGeneral((2, 3), axis=(-2, -1), dot_general=dot) for dot in (ops.dot_general, None))
-    params = flax_own.init(jax.random.key(0), x)
-
-    def loss(module):
-        return lambda params, x: jnp.sin(module.apply(params, x)).sum()
-
-    np.testing.assert_allclose(np.asarray(ours.apply(params, x)), np.asarray(flax_own.apply(params, x)), rtol=1e-6,
-                               atol=1e-6)
-    ours_grad = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))
-    for got, want in zip(jax.tree.leaves(ours_grad(params, x)),
-                         jax.tree.leaves(jax.grad(loss(flax_own), argnums=(0, 1))(params, x)), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert "optimization_barrier" in ours_grad.lower(params, x).as_text()  # the CPU's own gradient ran
-
-
-@pytest.mark.parametrize("platform", ["cpu", "cuda", "rocm", "tpu"])
-def test_dot_general_has_its_cpu_gradient_only_in_a_program_lowered_for_a_cpu(platform):
-    """The barrier of the CPU's gradient is in the CPU's program only; a GPU's or TPU's,
-    lowered here on a CPU host, is XLA's own dot_general and gradient."""
-    import jax
-
-    x, w = jnp.ones((2, 6, 8)), jnp.ones((8, 3))
-    step = jax.jit(jax.value_and_grad(lambda x, w: jnp.tanh(ops.linear(x, w)).sum(), argnums=(0, 1)))
-    program = step.trace(x, w).lower(lowering_platforms=(platform,)).as_text()
-    assert "stablehlo.dot_general" in program
-    assert ("optimization_barrier" in program) == (platform == "cpu")

@@ -242,16 +242,17 @@ def test_group_rates_follow_the_schedule_to_their_own_minimum():
 
 
 def test_a_schedule_or_optimizer_added_to_its_registry_is_a_train_setting_at_once(monkeypatch):
-    """The registries are the lists of valid names: the config checks against them, so one entry
-    there, and nothing else, makes a setting."""
+    """The registries are the lists of valid names: a train section is checked against them where it
+    is opened, so one entry there, and nothing else, makes a setting."""
     from jaxgpt import optim
     from jaxgpt.errors import ConfigError
+    from jaxgpt.optim import open_train
 
     with pytest.raises(ConfigError, match=r"train.schedule='flat': must be 'cosine' or 'wsd'"):
-        TrainConfig(schedule="flat")
+        open_train({"schedule": "flat"})
     monkeypatch.setitem(optim.SCHEDULES, "flat", lambda train: optax.constant_schedule(train.lr))
     monkeypatch.setitem(optim.OPTIMIZERS, "sgd", lambda train, schedule, *layout: optax.sgd(schedule))
-    train = TrainConfig(schedule="flat", optimizer="sgd", lr=0.5, warmup_steps=0)
+    train = open_train({"schedule": "flat", "optimizer": "sgd", "lr": 0.5, "warmup_steps": 0})
     assert float(optim.learning_rate_schedule(train)(7)) == 0.5
 
 
@@ -273,7 +274,8 @@ def test_a_schedule_or_optimizer_added_to_its_registry_is_a_train_setting_at_onc
 ])
 def test_a_bad_optimizer_or_schedule_setting_is_a_one_line_error_naming_its_key(changes, message):
     from jaxgpt.errors import ConfigError
+    from jaxgpt.optim import open_train
 
     with pytest.raises(ConfigError, match=message) as raised:
-        TrainConfig(**{**TRAIN, **changes})
+        open_train({**TRAIN, **changes})
     assert "\n" not in str(raised.value)

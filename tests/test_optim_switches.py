@@ -15,7 +15,7 @@ from muon_reference import optax_muon
 from jaxgpt import batch_schedule, layout
 from jaxgpt.config import TrainConfig
 from jaxgpt.errors import ConfigError
-from jaxgpt.optim import POLAR_EXPRESS, make_optimizer, ns_coefficients
+from jaxgpt.optim import POLAR_EXPRESS, make_optimizer, ns_coefficients, open_train
 from jaxgpt.optim.muon import newton_schulz, scale_by_neuron_norm
 from jaxgpt.train.micro_batch import plan
 
@@ -205,7 +205,7 @@ def test_a_chosen_micro_batch_divides_every_scheduled_batch():
 ])
 def test_a_bad_switch_is_a_one_line_error_naming_its_key(changes, message):
     with pytest.raises(ConfigError) as refused:
-        TrainConfig(**changes)
+        open_train(changes)  # as a command opens its train section: the schema, then the registries' names
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 

@@ -186,3 +186,63 @@ def test_the_declarations_are_read_whatever_kernel_computes_the_model():
     flash = param_layout(GPT(cfg, ComputeConfig(kernel="flash")))
     assert jax.tree.map(lambda leaf: leaf.names, flash, is_leaf=layout.is_declared) == \
         jax.tree.map(lambda leaf: leaf.names, param_layout(cfg), is_leaf=layout.is_declared)
+
+
+def by_hand(names: tuple[str, ...], shape: tuple[int, ...], mesh) -> tuple:
+    """RULES read by hand: each dimension, in order, split over its logical axis's mesh axis
+    where that axis has several devices, divides the dimension and no earlier dimension took it."""
+    table, taken, out = dict(layout.RULES), set(), []
+    for name, size in zip(names, shape, strict=True):
+        axis = table.get(name)
+        split = axis is not None and mesh.shape[axis] > 1 and size % mesh.shape[axis] == 0 and axis not in taken
+        taken |= {axis} if split else set()
+        out.append(axis if split else None)
+    return tuple(out)
+
+
+def moment_of(path) -> tuple[str, str] | None:
+    """(the optax state field, the parameter's path) of a leaf under a state's mu or nu, else None."""
+    for i, key in enumerate(path):
+        if getattr(key, "name", None) in ("mu", "nu"):
+            return key.name, jax.tree_util.keystr(path[i + 1:])
+    return None
+
+
+@pytest.mark.parametrize("optimizer, normuon", [("adamw", False), ("muon", True)])
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (1, 2, 4)])
+def test_the_optimizer_states_pair_with_the_declarations(optimizer, normuon, shape):
+    """layout.tree_shardings of an optimizer state, given its optimizer: every leaf under a state's
+    mu or nu (AdamW's moments, Muon's momentum, NorMuon's statistics per neuron) is laid out as
+    RULES, read by hand, lays out the parameter at its path (a statistic's reduced dimensions
+    whole), every other leaf (counts, Newton–Schulz's coefficients) whole; every parameter is in
+    two moments (AdamW's two, or Muon's momentum and NorMuon's statistic)."""
+    from jax.sharding import AbstractMesh
+
+    from jaxgpt.config import TrainConfig
+    from jaxgpt.optim import make_optimizer
+
+    mesh = AbstractMesh(shape, ("data", "fsdp", "tensor"))
+    cfg = GPTConfig(**dict(BASE, vocab_size=66, value_embeds=((0,), (1,)), bigram_table=50))  # 66: not over 4
+    declared = param_layout(cfg)
+    params = jax.tree.map(lambda leaf: leaf.value, declared, is_leaf=layout.is_declared)
+    tx = make_optimizer(TrainConfig(optimizer=optimizer, normuon=normuon), declared)
+    state = jax.eval_shape(tx.init, params)
+    where = layout.tree_shardings(state, declared, mesh, tx)
+    found = {jax.tree_util.keystr(path): leaf for path, leaf in
+             jax.tree_util.tree_leaves_with_path(declared, is_leaf=layout.is_declared)}
+    moments = []
+    for (path, leaf), at in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(where), strict=True):
+        moment = moment_of(path)
+        if moment is None:
+            assert tuple(at.spec) == (), jax.tree_util.keystr(path)
+            continue
+        param = found[moment[1]]
+        want = by_hand(param.names, param.value.shape, mesh)
+        want = tuple(axis if n == m else None for n, m, axis in zip(leaf.shape, param.value.shape, want, strict=True))
+        assert tuple(at.spec) == want, jax.tree_util.keystr(path)
+        moments.append(moment[1])
+    assert sorted(moments) == sorted(list(found) * 2)
+    assert any(n == 1 for leaf in jax.tree.leaves(state) for n in leaf.shape) == normuon  # NorMuon's statistics
+    hand = {key: by_hand(leaf.names, leaf.value.shape, mesh) for key, leaf in found.items()}
+    assert {key: tuple(at.spec) for key, at in
+            layout.by_path(layout.param_shardings(declared, mesh)).items()} == hand

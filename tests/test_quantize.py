@@ -1,6 +1,7 @@
 """Narrow weights for sampling (ComputeConfig.param_dtype, .weights): int8 quantisation
-(ops.quantize, ops.int8_linear) against a float64 NumPy evaluation of its formula, the int8
-model against the float model it approximates, and generation with bfloat16 and int8."""
+(jaxgpt.quantize.layers: quantize, int8_linear in each of compute.matmul's forms) against a
+float64 NumPy evaluation of its formula, the int8 model against the float model it
+approximates, and generation with bfloat16 and int8."""
 
 import re
 
@@ -10,12 +11,14 @@ import numpy as np
 import pytest
 from test_model import random_params
 
-from jaxgpt import GPT, ComputeConfig, GPTConfig, ops
+from jaxgpt import GPT, ComputeConfig, GPTConfig
 from jaxgpt.config import default_config
 from jaxgpt.decode import sampling
 from jaxgpt.decode.logits import start_cache
 from jaxgpt.errors import ConfigError
+from jaxgpt.platforms import forms
 from jaxgpt.quantize import params_for
+from jaxgpt.quantize.layers import dequantize, int8_linear, quantize
 from jaxgpt.train.run import compute_config
 
 INT8 = ComputeConfig(weights="int8")
@@ -38,26 +41,27 @@ def quantize64(w, n_in):
 def test_quantize_is_the_formula_within_half_a_step(shape, n_in):
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32) * 0.3
     w[1] = 0.0  # an all-zero output channel
-    q, scale = jax.device_get(ops.quantize(jnp.asarray(w), n_in))
+    q, scale = jax.device_get(quantize(jnp.asarray(w), n_in))
     want_q, want_scale = quantize64(w, n_in)
     assert q.dtype == np.int8 and q.shape == shape and scale.shape == shape[:len(shape) - n_in]
     np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
     np.testing.assert_array_equal(q, want_q)
     steps = want_scale.reshape(*want_scale.shape, *(1,) * n_in)
-    error = np.abs(np.asarray(ops.dequantize(q, scale), np.float64) - w)
+    error = np.abs(np.asarray(dequantize(q, scale), np.float64) - w)
     assert np.all(error <= steps / 2 * (1 + 1e-6))
     assert np.all(np.abs(q).max(axis=tuple(range(q.ndim - n_in, q.ndim)))[np.arange(shape[0]) != 1] == 127)
 
 
+@pytest.mark.parametrize("form", [*forms.MATMULS, forms.AUTO])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_int8_linear_is_x_times_the_dequantised_transpose(rows):
-    """y = x (q·s)ᵀ in float64, for one row (a decoding step) and several (a prefill); 301
-    outputs make uneven chunks on a CPU."""
+def test_int8_linear_is_x_times_the_dequantised_transpose(rows, form):
+    """y = x (q·s)ᵀ in float64, for one row (a decoding step) and several (a prefill), in each
+    of compute.matmul's forms; 301 outputs make uneven chunks in the CPU's."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((rows, 24)).astype(np.float32)
-    q, scale = ops.quantize(jnp.asarray(rng.standard_normal((301, 24)), jnp.float32))
+    q, scale = quantize(jnp.asarray(rng.standard_normal((301, 24)), jnp.float32))
     want = x.astype(np.float64) @ (np.asarray(q, np.float64) * np.asarray(scale, np.float64)[:, None]).T
-    got = ops.int8_linear(jnp.asarray(x), q, scale)
+    got = int8_linear(jnp.asarray(x), q, scale, form)
     assert got.shape == (rows, 301) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
@@ -85,15 +89,17 @@ def dequantised(int8_params):
     return node(jax.device_get(int8_params))
 
 
-@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": False, "n_kv_head": 1}])
-def test_the_int8_model_is_the_float_model_with_the_dequantised_weights(changes):
+@pytest.mark.parametrize("changes, matmul", [({}, forms.AUTO), ({"tie_embeddings": False, "n_kv_head": 1}, forms.AUTO),
+                                             ({}, "xla")])
+def test_the_int8_model_is_the_float_model_with_the_dequantised_weights(changes, matmul):
+    """With the int8 product in either form (compute.matmul: the CPU's chunks, or XLA's one product)."""
     cfg = tiny(**changes)
     params = random_params(cfg)
     int8 = params_for(params, cfg, INT8)
     assert all(leaf.dtype == jnp.int8 for path, leaf in jax.tree_util.tree_leaves_with_path(int8)
                if path[-1].key.endswith("_q"))
     tokens = jnp.array([[3, 1, 4, 1, 5, 9]])
-    got = GPT(cfg, INT8).apply({"params": int8}, tokens)
+    got = GPT(cfg, INT8.replace(matmul=matmul)).apply({"params": int8}, tokens)
     want = GPT(cfg).apply({"params": dequantised(int8)}, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 

@@ -15,6 +15,7 @@ from test_packed import LENGTHS, assert_each_example_alone, packed_row
 
 from jaxgpt import GPT, GPTConfig, ops
 from jaxgpt.analysis import circuits
+from jaxgpt.registries import check_model
 
 
 def test_zero_initialised_projections_start_at_zero_and_the_first_loss_is_log_v():
@@ -85,7 +86,7 @@ def test_circuits_refuse_qk_norm_in_one_line():
                                         ("activation", "relu3")])
 def test_a_bad_value_is_one_line_naming_the_key(key, value):
     with pytest.raises(ValueError, match=f"GPTConfig.{key}=") as err:
-        GPTConfig(**{key: value})
+        check_model(GPTConfig(**{key: value}))  # as a config is opened
     assert "\n" not in str(err.value)
 
 

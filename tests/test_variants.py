@@ -18,6 +18,7 @@ from test_model import RECIPE, decode_step_by_step, forward, init_params, random
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache, layout
 from jaxgpt.model import param_layout
+from jaxgpt.registries import check_model
 
 CACHED = [
     {"n_head": 4, "n_kv_head": 2},
@@ -118,8 +119,10 @@ def test_head_dim_sets_the_attention_flops():
     (dict(attention="linear", linear_feature="softmax"), r"linear_feature='softmax': must be one of elu\+1, relu"),
 ])
 def test_impossible_variants_raise(changes, message):
+    """Refused where the config is opened: the schema's own checks, the registries' names and what each
+    form and scheme can serve (registries.check_model)."""
     with pytest.raises(ValueError, match=message):
-        tiny(**changes)
+        check_model(tiny(**changes))
 
 
 def test_head_dim_frees_d_model_from_n_head():

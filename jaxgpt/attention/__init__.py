@@ -9,7 +9,7 @@ A new form is a file with a Form (base.py says what it implements) and a line in
 new kernel is a function in kernels.py and its Kernel record in KERNELS. Forms, positional
 schemes and kernels declare what they ask and what they can do (Form.asks, Scheme.asks,
 Kernel's abilities): callers ask the records, never the names
-(jaxgpt.model_config.check_kernel: whether a kernel can compute a model here).
+(jaxgpt.registries.check_kernel: whether a kernel can compute a model here).
 """
 
 from __future__ import annotations

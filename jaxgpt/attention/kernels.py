@@ -6,7 +6,7 @@ the weights to use (attention dropout, and a record of the whole map for picture
 kernels that form the weights call it). It returns the context (B,T,H,D).
 
 KERNELS maps each name to a Kernel: the function and what it can do (the backend it needs,
-attention dropout, a bias, a window, segments, its dtypes). jaxgpt.model_config.check_kernel asks
+attention dropout, a bias, a window, segments, its dtypes). jaxgpt.registries.check_kernel asks
 the record whether a kernel can compute a model; 'auto' picks one that can (for_platform)."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ DEVICES = {"cpu": "a CPU", "gpu": "a CUDA GPU", "tpu": "a TPU"}  # how a message
 
 def for_platform(platform: str, dtype, needs=()) -> str:
     """The kernel 'auto' stands for on a platform (jax.Device.platform) computing in `dtype`:
-    the first of PREFERENCE that runs there and does every one of `needs` (model_config.needs):
+    the first of PREFERENCE that runs there and does every one of `needs` (registries.needs):
     flash on a TPU; cuDNN's on a GPU computing in 16 bits, else XLA's; with attention dropout
     in training, blocked on either (the fused kernels never form the weights); explicit on a
     CPU (the fastest there)."""

@@ -159,7 +159,7 @@ def per_device_bytes(tree) -> int:
 def model_of(config):
     """The GPTConfig of the config's model section; a vocabulary of 0 (the tokenizer's) is read
     from a tokenizer that exists already (known_vocab_size), since compiling reads no data."""
-    from jaxgpt.config import GPTConfig
+    from jaxgpt.registries import open_model
 
     values = dict(config.model)
     if not values["vocab_size"]:
@@ -168,7 +168,7 @@ def model_of(config):
         raise ValueError("model.vocab_size is 0 (the tokenizer's), and no tokenizer of this config exists yet: "
                          "prepare the data first (python -m jaxgpt.data with the same --config), or set "
                          "--config.model.vocab_size (e.g. 50304 for GPT-2's tokenizer)")
-    return GPTConfig.from_dict(values)
+    return open_model(values)
 
 
 def known_vocab_size(config) -> int | None:
@@ -195,9 +195,8 @@ def compile_programs(config, devices=None, generate: bool = True) -> tuple[Any, 
 
     from jaxgpt import sharding
     from jaxgpt.compile import counts as compile_counts
-    from jaxgpt.config import TrainConfig
     from jaxgpt.model import GPT, flops_per_token, param_layout
-    from jaxgpt.optim import make_optimizer
+    from jaxgpt.optim import make_optimizer, open_train
     from jaxgpt.train import micro_batch, opening, preflight, run
     from jaxgpt.train.step import abstract_state
 
@@ -206,7 +205,7 @@ def compile_programs(config, devices=None, generate: bool = True) -> tuple[Any, 
     cfg, compute = model_of(config), opening.compute_config(config, platform)
     chip = chip_of(list(mesh.devices.flat))[1]
     config = micro_batch.resolved(config, mesh, cfg, compute, chip.hbm if chip else None)
-    train_cfg = TrainConfig.from_mapping(config.train)
+    train_cfg = open_train(config.train)
     preflight.check_batch_sizes(train_cfg, mesh)
     preflight.check_targets_ahead(train_cfg, cfg.block_size)
     gpt, packed = GPT(cfg, compute), config.data.format == "records"
@@ -410,13 +409,13 @@ def report(config, devices=None, where: str | None = None) -> dict[str, Any]:
     against the budget the micro-batch was chosen by (`budget`: its bytes and what they are)."""
     import jax
 
-    from jaxgpt.config import TrainConfig
+    from jaxgpt.optim import open_train
     from jaxgpt.train import micro_batch
 
     devices = list(jax.devices()) if devices is None else devices
     mesh, programs = compile_programs(config, devices)
     chip_name, chip = chip_of(devices)
-    memory, of = micro_batch.budget(list(mesh.devices.flat), TrainConfig.from_mapping(config.train),
+    memory, of = micro_batch.budget(list(mesh.devices.flat), open_train(config.train),
                                     chip.hbm if chip else None)  # as compile_programs' micro-batch was chosen
     result = {"where": where or f"{len(devices)} local {jax.default_backend()} device(s)", "chip": chip_name,
               "devices": len(devices), "processes": len({d.process_index for d in devices}),

@@ -17,11 +17,16 @@ import _thread
 import dataclasses
 import json
 import logging
+import sys
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxgpt.harness.args import ModelArgs, ModelArgsError
+
+if TYPE_CHECKING:  # the preload imports no JAX until it runs
+    from jaxgpt.model_config import GPTConfig
 
 log = logging.getLogger("jaxgpt.harness")
 
@@ -31,7 +36,7 @@ class Loaded:
     """A run as the model uses it."""
 
     params: Any
-    config: Any
+    config: GPTConfig
     tokenizer: Any
     model: Any
     stride: int | None
@@ -86,10 +91,9 @@ class Background:
                 self._loaded = load(self.args.run_dir, self.args.step, self.args.stride)
         except BaseException as err:  # noqa: BLE001  raised again where the model waits for the run
             self.error = err
-            with self._lock:  # nobody waits yet: the main thread learns of it now, whatever it is doing
-                if interrupt_main and not self._waited:
-                    _thread.interrupt_main()
             self._ready.set()
+            if interrupt_main:  # nobody waits yet: the main thread learns of it now, whatever it is doing
+                self._interrupt_until_heard()
             return
         self._ready.set()
         try:
@@ -98,6 +102,17 @@ class Background:
             likelihood.prepare(self._loaded.model, self._loaded.params, batch_size)
         except Exception as err:  # noqa: BLE001  the programs then compile when first used, and fail there
             log.warning("jaxgpt: compiling ahead failed (%s); the scoring programs compile when first used", err)
+
+    def _interrupt_until_heard(self) -> None:
+        """KeyboardInterrupt in the main thread, sent again each second until the main thread waits for
+        this one: an interrupt that lands while the main thread runs a callback (JAX's after a garbage
+        collection) cannot be raised there, and Python drops it (quietly: _quiet_dropped_interrupts)."""
+        while True:
+            with self._lock:
+                if self._waited:
+                    return
+                _thread.interrupt_main()
+            time.sleep(INTERRUPT_AGAIN_S)
 
     def matches(self, run_dir, step, stride) -> bool:
         args = self.args
@@ -123,6 +138,17 @@ class Background:
 
 
 _started: list[Background] = []
+INTERRUPT_AGAIN_S = 1.0
+
+
+def _quiet_dropped_interrupts(hook):
+    """sys.unraisablehook that passes over a KeyboardInterrupt a failed preload sent (it sends it again)."""
+    def unraisable(event):
+        if not (issubclass(event.exc_type, KeyboardInterrupt) and any(b.error is not None for b in _started)):
+            hook(event)
+
+    unraisable.quiets_preload = True
+    return unraisable
 
 
 def start(args: ModelArgs, compilation_cache: str | None = None) -> Background:
@@ -134,6 +160,8 @@ def start(args: ModelArgs, compilation_cache: str | None = None) -> Background:
         from jaxgpt.sharding import use_compilation_cache
 
         use_compilation_cache(compilation_cache)
+    if not getattr(sys.unraisablehook, "quiets_preload", False):
+        sys.unraisablehook = _quiet_dropped_interrupts(sys.unraisablehook)
     background = Background(args.batch_size, args=args, interrupt_main=True)
     _started.append(background)
     return background

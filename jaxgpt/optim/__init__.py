@@ -14,13 +14,14 @@ warmup–stable–decay schedule, each parameter group at its own peak learning 
     cautious weight decay (train.cautious_weight_decay): λθ only where u·θ ≥ 0 (u the update before it)
 
 Both registries (OPTIMIZERS, SCHEDULES) map the names train.optimizer and train.schedule may
-take to their builders: they are the lists of those names (jaxgpt.config checks against them).
+take to their builders: they are the lists of those names (check_train checks a train
+section against them where it is opened: open_train).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -29,6 +30,8 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from jaxgpt import layout
+from jaxgpt.config import TrainConfig
+from jaxgpt.errors import ConfigError
 from jaxgpt.optim.muon import scale_by_banked_muon, scale_by_neuron_norm, scale_by_width
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): optax's and modded-nanogpt's
@@ -43,7 +46,6 @@ POLAR_EXPRESS = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 NS_TABLES = {"quintic": NS_COEFFS, "polar_express": POLAR_EXPRESS}  # the names train.muon_coeffs may take
-TrainConfig = Any  # jaxgpt.config's train section, which checks its names against OPTIMIZERS and SCHEDULES here
 
 # --- learning-rate schedules --------------------------------------------------------------
 
@@ -89,18 +91,14 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
 def per_param(fn, declared) -> Callable:
     """params ↦ the tree of fn(declaration) for each parameter, in the structure of the tree it
     is given (optax.partition hands its transformations their share of the params, the others
-    masked), found by each parameter's path."""
-    found = {key: fn(leaf) for key, leaf in layout.by_path(declared).items()}
-
-    def at(path, _):
-        key = jax.tree_util.keystr(path)
-        if key not in found:
-            raise ValueError(f"the optimizer was made for other parameters (none at {key}): make it for the layout of "
-                             "the params it updates (make_optimizer(train, param_layout(model)))")
-        return found[key]
-
+    masked), each leaf paired with its declaration by layout.pair."""
     def of(params):
-        return jax.tree_util.tree_map_with_path(at, params)
+        try:
+            return layout.pair(lambda _, leaf: fn(leaf), params, declared)
+        except KeyError as missing:
+            raise ValueError(f"the optimizer was made for other parameters (none at {missing.args[0]}): make it for "
+                             "the layout of the params it updates (make_optimizer(train, param_layout(model)))") \
+                from None
 
     return of
 
@@ -227,3 +225,28 @@ def make_optimizer(train: TrainConfig, declared) -> optax.GradientTransformation
     steps = [optax.clip_by_global_norm(train.clip)] if train.clip else []
     steps.append(OPTIMIZERS[train.optimizer](train, learning_rate_schedule(train), declared))
     return optax.chain(*steps)
+
+
+# --- a train section opened --------------------------------------------------------------------
+
+
+def check_train(train: TrainConfig) -> TrainConfig:
+    """train, when its optimizer, schedule and Newton–Schulz coefficients are registered (a table
+    with one row per Newton–Schulz step); a one-line ConfigError otherwise."""
+    for key, valid in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
+        if getattr(train, key) not in valid:
+            raise ConfigError(f"train.{key}={getattr(train, key)!r}: must be {' or '.join(map(repr, valid))}")
+    try:
+        coeffs = ns_coefficients(train.muon_coeffs)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if isinstance(coeffs[0], tuple) and len(coeffs) != train.muon_ns_steps:
+        raise ConfigError(f"train.muon_coeffs={train.muon_coeffs!r} has {len(coeffs)} rows, one per Newton–Schulz "
+                          f"step, but train.muon_ns_steps={train.muon_ns_steps}: set train.muon_ns_steps="
+                          f"{len(coeffs)}, or give {train.muon_ns_steps} rows")
+    return train
+
+
+def open_train(values: Mapping[str, Any]) -> TrainConfig:
+    """The TrainConfig of a config's train section, checked (check_train)."""
+    return check_train(TrainConfig.from_mapping(values))

@@ -164,16 +164,14 @@ def scale_by_banked_muon(declared, ns_coeffs, ns_steps: int, beta: float, eps: f
 def scale_by_width(declared) -> optax.GradientTransformation:
     """u ← √max(1, fan_out/fan_in)·u for each matrix (fan_in its reduction axes' size, fan_out its
     output axes'): the width scaling of Muon's update that optax.contrib.muon applies. Stateless."""
-    found = layout.by_path(declared)
-
-    def scale(path, u):
-        reduction, output = layout.matrix_axes(layout.at_path(found, path))
+    def scale(u, declaration):
+        reduction, output = layout.matrix_axes(declaration)
         fan_in, fan_out = (math.prod(u.shape[i] for i in group) for group in (reduction, output))
         return math.sqrt(max(1.0, fan_out / fan_in)) * u
 
     def update(updates, state, params=None):
         del params
-        return jax.tree_util.tree_map_with_path(scale, updates), state
+        return layout.pair(scale, updates, declared), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
@@ -206,11 +204,11 @@ def scale_by_neuron_norm(declared, beta2: float, eps: float = 1e-10) -> optax.Gr
         return layout.matrix_axes(layout.at_path(found, path))
 
     def init(params):
-        def zeros(path, p):
-            reduction, _ = axes_at(path)
+        def zeros(p, declaration):
+            reduction, _ = layout.matrix_axes(declaration)
             return jnp.zeros([1 if i in reduction else n for i, n in enumerate(p.shape)], jnp.float32)
 
-        return NeuronNormState(nu=jax.tree_util.tree_map_with_path(zeros, params))
+        return NeuronNormState(nu=layout.pair(zeros, params, declared))
 
     def update(updates, state, params=None):
         del params

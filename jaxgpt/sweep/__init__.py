@@ -43,7 +43,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxgpt import metrics, sharding
 from jaxgpt.checkpoint import CheckpointError
@@ -52,6 +52,9 @@ from jaxgpt.errors import ConfigError, one_line, tidy_cli_output
 from jaxgpt.files import unwritable, writable_directory, write_json
 from jaxgpt.sweep.summary import write_summary
 from jaxgpt.train import opening, run
+
+if TYPE_CHECKING:
+    from ml_collections import ConfigDict
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
 BASELINE = "all"  # an ablation's cell with nothing removed
@@ -68,7 +71,7 @@ class Cell:
     setting: dict[str, str]
     seed: int
     ablation: str | None = None  # the --ablate name (BASELINE for the config as it is); None in a grid
-    config: Any = None  # the parsed config (None when it does not parse)
+    config: ConfigDict | None = None  # the parsed config (None when it does not parse)
     refused: str | None = None  # why the config refuses this cell, found before any cell trains
     status: str = ""  # done, skipped (finished), failed: …, stopped
 

@@ -46,7 +46,7 @@ from jaxgpt.attention import FORMS, KERNELS
 from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError
 from jaxgpt.model import GPT, param_layout
-from jaxgpt.optim import make_optimizer
+from jaxgpt.optim import make_optimizer, open_train
 from jaxgpt.train.step import abstract_state, init_state
 
 GiB = 2**30
@@ -166,9 +166,9 @@ def plan(train: TrainConfig, ways: int, state: float = 0.0, row: float = 0.0, me
     says so). ConfigError, in one line, for rows_per_step that the devices do not divide."""
     rows, batch, accum = train.rows_per_step, train.batch_size, train.grad_accum  # checked by TrainConfig
     if batch and accum:
-        unused = None if not rows or batch * accum == rows else (
+        unused = None if not rows or train.step_rows == rows else (
             f"train.rows_per_step={rows} is unused: train.batch_size={batch} × train.grad_accum={accum} makes "
-            f"{batch * accum} rows a step")
+            f"{train.step_rows} rows a step")
         return Plan(batch, accum, unused)
     if batch or accum:
         return Plan(batch or rows // accum, accum or rows // batch)
@@ -218,7 +218,7 @@ def resolved(config, mesh, cfg: GPTConfig, compute: ComputeConfig, memory: float
     resolved for the platform). `memory`: a compile target's bytes per device (a TPU's HBM, a
     GPU's share for XLA: budget). The config is returned as it was when nothing is chosen; a
     choice is said on standard error (`say`)."""
-    train = TrainConfig.from_mapping(config.train)
+    train = open_train(config.train)
     if not train.rows_per_step:
         return config
     ways = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -38,8 +38,8 @@ from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.lock import LOCK_FILE, LockHeld, RunLock
 from jaxgpt.model import GPT, param_layout
-from jaxgpt.model_config import check_kernel
-from jaxgpt.optim import make_optimizer
+from jaxgpt.optim import make_optimizer, open_train
+from jaxgpt.registries import check_kernel, open_compute, open_model
 from jaxgpt.train import micro_batch, rundir
 from jaxgpt.train.preflight import check_memory, check_sections, check_unknown, start_from
 from jaxgpt.train.rundir import TOKENIZER_FILE
@@ -81,7 +81,7 @@ def open_run(config, explicit: Collection[str] = ()) -> Run:
     this module's docstring. `explicit`: the dotted keys the user set (train.py's overrides),
     which init_from may not replace. The caller releases the lock when the run ends (run.train);
     a step that fails releases it here."""
-    train_cfg = TrainConfig.from_mapping(config.train)
+    train_cfg = open_train(config.train)
     before = entries(Path(config.run_dir))
     directory = make_run_dir(config.run_dir)  # the directory, locked
     lock = lock_run(directory)
@@ -92,7 +92,7 @@ def open_run(config, explicit: Collection[str] = ()) -> Run:
         corpus = read_corpus(config, tokenizer)  # the data: its tokenizer fixes the vocabulary
         cfg = model_config(config, corpus.tokenizer.vocab_size)
         config = micro_batch.resolved(config, mesh, cfg, compute)  # the micro-batch per device, where it is chosen
-        train_cfg = TrainConfig.from_mapping(config.train)
+        train_cfg = open_train(config.train)
         check_memory(cfg, compute, train_cfg)
         saved = rundir.check_same_run(directory, cfg, compute, corpus.tokenizer, train_cfg) if resuming else None
         resolved = {**config.to_dict(), "model": cfg.to_dict(), "compute": compute.to_dict(),
@@ -170,7 +170,7 @@ def check_config(config, explicit: Collection[str] = ()) -> tuple[Any, Any, Mesh
     and the tokenizer (refusing a key of `explicit` it replaces), then every section is checked
     before the data is read; the model's vocabulary comes with the tokenizer."""
     config, tokenizer = start_from(config, explicit)
-    mesh = check_sections(config, TrainConfig.from_mapping(config.train))
+    mesh = check_sections(config, open_train(config.train))
     model_config(config, vocab_size=1)
     return config, tokenizer, mesh, compute_config(config)
 
@@ -182,12 +182,12 @@ def model_config(config, vocab_size: int) -> GPTConfig:
         values["vocab_size"] = vocab_size
     elif values["vocab_size"] < vocab_size:
         raise ValueError(f"model.vocab_size={values['vocab_size']} is smaller than the tokenizer's {vocab_size}")
-    return GPTConfig.from_dict(values)
+    return open_model(values)
 
 
 def compute_config(config, platform: str | None = None) -> ComputeConfig:
-    """The compute section on `platform` (default: here), its kernel checked for training: model_config.check_kernel."""
-    compute, platform = ComputeConfig.from_dict(dict(config.compute)), platform or jax.default_backend()
+    """The compute section on `platform` (default: here), its kernel checked for training: registries.check_kernel."""
+    compute, platform = open_compute(config.compute), platform or jax.default_backend()
     cfg, packed = model_config(config, vocab_size=1), config.data.format == "records"
     try:
         compute = compute.replace(kernel=check_kernel(compute.kernel, cfg, platform, dtype=compute.dtype,

@@ -32,6 +32,7 @@ from jaxgpt.files import write_json
 from jaxgpt.model import GPT
 from jaxgpt.model_config import split_model
 from jaxgpt.quantize import params_for
+from jaxgpt.registries import open_compute, open_model
 from jaxgpt.sharding import place
 
 CONFIG_FILE = "config.json"
@@ -69,7 +70,7 @@ def saved_compute(saved: dict) -> ComputeConfig:
     a run from before that section, the compute keys of its model section."""
     values = saved.get("compute") or split_model(saved.get("model", {}))[1]
     try:
-        return ComputeConfig.from_dict(values)
+        return open_compute(values)
     except (TypeError, ValueError) as err:
         raise ValueError(f"the run's config.json has no valid compute section ({err})") from None
 
@@ -86,7 +87,7 @@ def read_run(run_dir: Path) -> tuple[dict[str, Any], GPTConfig, tokenizers.Token
             raise ValueError(f"{run_dir} has no {path.name}, so it is not a complete run directory")
     try:
         saved = json.loads(config_path.read_text(encoding="utf-8"))
-        config = GPTConfig.from_dict(saved["model"])
+        config = open_model(saved["model"])
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{config_path} does not hold a model config ({type(err).__name__}: {err})") from None
     tokenizer = tokenizers.load(tokenizer_path)
@@ -317,6 +318,6 @@ def _check_checkpoint_shapes(directory: Path, cfg: GPTConfig, compute: ComputeCo
 
 def _saved_model(values) -> GPTConfig | None:
     try:
-        return GPTConfig.from_dict(values)
+        return open_model(values)
     except (TypeError, ValueError):
         return None

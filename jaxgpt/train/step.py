@@ -23,6 +23,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxgpt import layout, ops
 from jaxgpt.config import GPTConfig, TrainConfig
@@ -181,9 +183,13 @@ INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 2}
 
 def abstract_state(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, mesh) -> TrainState:
     """The train state's shapes and dtypes (from jax.eval_shape: nothing allocated) with the
-    shardings its leaves take on `mesh` by the params' declarations (jaxgpt.layout)."""
+    shardings its leaves take on `mesh` by the params' declarations (jaxgpt.layout.tree_shardings:
+    the params, and the optimizer state's leaves that mirror them, laid out as declared; the
+    step and the other leaves whole)."""
     shapes = jax.eval_shape(lambda: init_state(model, optimizer, 0))
-    where = layout.tree_shardings(shapes, param_layout(as_model(model)), mesh)
+    declared = param_layout(as_model(model))
+    where = TrainState(step=NamedSharding(mesh, P()), params=layout.tree_shardings(shapes.params, declared, mesh),
+                       opt_state=layout.tree_shardings(shapes.opt_state, declared, mesh, optimizer))
     return jax.tree.map(lambda leaf, at: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=at), shapes, where)
 
 

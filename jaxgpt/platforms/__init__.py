@@ -17,6 +17,9 @@ lets it in (let_cuda_plugin_in) to describe a GPU topology.
 Both run when jaxgpt is imported (before JAX, so that the CUDA plugin's kernels are never
 loaded), and change nothing where the accelerator is, where its library is not installed, or
 where the user chose (JAX_PLATFORMS).
+
+jaxgpt.platforms.forms holds the equations' platform forms (compute.matmul, compute.rope); it
+imports JAX, so this module never imports it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     params = params_for(float_params, cfg, compute)    # what GPT(cfg, compute) reads
 
 With weights="int8" every weight matrix W becomes int8 q, outputs first, and a float32 scale
-per output channel (ops.quantize): a Linear's kernel (input dims…, output dims…) becomes
+per output channel (layers.quantize): a Linear's kernel (input dims…, output dims…) becomes
 kernel_q (output dims…, input dims…) and kernel_scale (output dims…); the token embedding E
 (V, d), outputs first already for the tied unembedding, becomes embedding_q (V, d) and
 embedding_scale (V,). Biases, norms and the position table stay floats, in param_dtype. Which
@@ -18,10 +18,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import ops
 from jaxgpt.blocks import layers_as, unstack_layers
 from jaxgpt.config import ComputeConfig, GPTConfig
 from jaxgpt.model import GPT, param_layout
+from jaxgpt.quantize.layers import quantize
 
 Q, SCALE = "_q", "_scale"
 
@@ -76,12 +76,12 @@ def _quantize_node(node, wanted, declared, path: str):
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def quantize_matrix(w, n_out: int, inputs_first: bool):
-    """(q, s) of ops.quantize for a float matrix with n_out output dims, its inputs first
+    """(q, s) of layers.quantize for a float matrix with n_out output dims, its inputs first
     (a Dense kernel) or last (an Embed table): q is outputs first either way."""
     n_in = w.ndim - n_out
     if inputs_first:
         w = jnp.transpose(w, (*range(n_in, w.ndim), *range(n_in)))
-    return ops.quantize(w, n_in)
+    return quantize(w, n_in)
 
 
 def check_params(params, compute: ComputeConfig) -> None:
