@@ -418,18 +418,25 @@ def unembed(cfg: GPTConfig, compute: ComputeConfig, head: dict, x):
 def param_layout(model: GPT | GPTConfig):
     """Every parameter's declaration (jaxgpt.layout.Declared around its ShapeDtypeStruct), in
     the params' tree: what shardings, groups, Muon's axes and the quantisation derive from.
-    Nothing is computed (jax.eval_shape of Flax's init); refused for an undeclared parameter."""
+    Nothing is computed (jax.eval_shape of Flax's init, traced once per config and compute);
+    refused for an undeclared parameter."""
     model = GPT(model) if isinstance(model, GPTConfig) else model
-    tokens = jax.ShapeDtypeStruct((1, model.cfg.block_size), jnp.int32)  # a whole row, as training's init: any kernel
+    return jax.tree.map(lambda leaf: leaf, _declared(model.cfg, model.compute), is_leaf=layout.is_declared)
+
+
+@functools.lru_cache(maxsize=16)
+def _declared(cfg: GPTConfig, compute: ComputeConfig):
+    model = GPT(cfg, compute)
+    tokens = jax.ShapeDtypeStruct((1, cfg.block_size), jnp.int32)  # a whole row, as training's init: any kernel
     declared = jax.eval_shape(lambda t: nn.Module.init(model, jax.random.key(0), t)["params"], tokens)
     layout.check(declared)
     return declared
 
 
-def param_shapes(cfg: GPTConfig) -> dict:
-    """The params' shapes and dtypes (jax.eval_shape of the init: nothing is computed)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return jax.eval_shape(lambda t: GPT(cfg).init(jax.random.key(0), t)["params"], tokens)
+def param_shapes(model: GPT | GPTConfig) -> dict:
+    """The params' shapes and dtypes, as GPT.init makes them in the model's layout and param_dtype:
+    param_layout's values (nothing is computed)."""
+    return jax.tree.map(lambda leaf: leaf.value, param_layout(model), is_leaf=layout.is_declared)
 
 
 def param_count(cfg: GPTConfig) -> int:

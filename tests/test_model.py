@@ -83,7 +83,13 @@ def random_params(cfg, seed=0):
 @functools.partial(jax.jit, static_argnums=0, static_argnames="compute")
 def forward(cfg, params, x, cache=None, compute=DEFAULT):
     """The model, jitted once per config and shape (tests run many small models)."""
-    return GPT(cfg, compute).apply({"params": params}, x, cache)
+    return _jitted_apply(cfg, compute)(params, x, cache)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(cfg, compute):
+    model = GPT(cfg, compute)
+    return jax.jit(lambda params, x, cache: model.apply({"params": params}, x, cache))
 
 
 def tokens(cfg, batch, length, seed=0):

@@ -47,7 +47,7 @@ from jaxgpt.config import ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError
 from jaxgpt.model import GPT, param_layout
 from jaxgpt.optim import make_optimizer, open_train
-from jaxgpt.train.step import abstract_state, init_state
+from jaxgpt.train.step import abstract_state, state_shapes
 
 GiB = 2**30
 # XLA's TPU compiles of GPT-2 small kept 0.381 (v5e) and 0.411 GiB (v4) a row where row_bytes says 0.403: a
@@ -103,7 +103,7 @@ def state_bytes(cfg: GPTConfig, compute: ComputeConfig, train: TrainConfig, mesh
     gpt = GPT(cfg, compute)
     optimizer = make_optimizer(train, param_layout(gpt))
     if mesh is None:
-        state = jax.eval_shape(lambda: init_state(gpt, optimizer, 0))
+        state = state_shapes(gpt, optimizer)
         size = lambda leaf: leaf.size * leaf.dtype.itemsize  # noqa: E731
     else:
         state = abstract_state(gpt, optimizer, mesh)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxgpt import convert, data, tokenizers
 from jaxgpt.blocks import unstack_layers
@@ -29,7 +28,7 @@ from jaxgpt.checkpoint import Checkpoints, MismatchedCheckpoint
 from jaxgpt.config import RESUME, ComputeConfig, GPTConfig, TrainConfig
 from jaxgpt.errors import ConfigError, TrainingError
 from jaxgpt.files import write_json
-from jaxgpt.model import GPT
+from jaxgpt.model import GPT, param_shapes
 from jaxgpt.model_config import split_model
 from jaxgpt.quantize import params_for
 from jaxgpt.registries import open_compute, open_model
@@ -55,7 +54,7 @@ def load_run(run_dir, step: int | None = None, compute: ComputeConfig | None = N
     compute = ComputeConfig() if compute is None else compute
     saved_run = saved_compute(saved)  # its checkpoints hold the params in its layout and dtype
     written = GPT(config, ComputeConfig(param_dtype=saved_run.param_dtype, scan_layers=saved_run.scan_layers))
-    abstract = jax.eval_shape(lambda: written.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    abstract = param_shapes(written)
     checkpoints = Checkpoints(run_dir, read_only=True)
     try:
         params, _ = checkpoints.restore_params(abstract, step=step)
@@ -303,8 +302,7 @@ def _check_checkpoint_shapes(directory: Path, cfg: GPTConfig, compute: ComputeCo
     """Without config.json, the model the newest checkpoint holds is known only by its shapes:
     they must be those of cfg (in compute's layout, the one the restore asks for). Refused
     before anything of the run directory is written."""
-    model = GPT(cfg, compute)
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    abstract = param_shapes(GPT(cfg, compute))
     checkpoints = Checkpoints(directory, read_only=True)
     try:
         checkpoints.check_params(abstract)

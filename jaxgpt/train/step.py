@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxgpt import layout, ops
 from jaxgpt.config import GPTConfig, TrainConfig
 from jaxgpt.loss import chunk_tokens, chunked, logits_fn, multi_token, score_targets
-from jaxgpt.model import GPT, param_layout
+from jaxgpt.model import GPT, param_layout, param_shapes
 
 
 @flax.struct.dataclass
@@ -168,6 +168,14 @@ def init_state(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, 
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
+def state_shapes(model: GPT | GPTConfig, optimizer: optax.GradientTransformation) -> TrainState:
+    """init_state's shapes and dtypes, from the params' declarations (model.param_shapes) and
+    the optimizer's init traced on them: the model is not traced again."""
+    params = param_shapes(as_model(model))
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                      opt_state=jax.eval_shape(optimizer.init, params))
+
+
 def as_key(key_or_seed) -> jax.Array:
     """A PRNG key as it is, or the key of an integer seed."""
     if jnp.issubdtype(jnp.result_type(key_or_seed), jax.dtypes.prng_key):
@@ -186,8 +194,7 @@ def abstract_state(model: GPT | GPTConfig, optimizer: optax.GradientTransformati
     shardings its leaves take on `mesh` by the params' declarations (jaxgpt.layout.tree_shardings:
     the params, and the optimizer state's leaves that mirror them, laid out as declared; the
     step and the other leaves whole)."""
-    shapes = jax.eval_shape(lambda: init_state(model, optimizer, 0))
-    declared = param_layout(as_model(model))
+    shapes, declared = state_shapes(model, optimizer), param_layout(as_model(model))
     where = TrainState(step=NamedSharding(mesh, P()), params=layout.tree_shardings(shapes.params, declared, mesh),
                        opt_state=layout.tree_shardings(shapes.opt_state, declared, mesh, optimizer))
     return jax.tree.map(lambda leaf, at: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=at), shapes, where)
