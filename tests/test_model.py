@@ -86,7 +86,7 @@ def forward(cfg, params, x, cache=None, compute=DEFAULT):
     return _jitted_apply(cfg, compute)(params, x, cache)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_apply(cfg, compute):
     model = GPT(cfg, compute)
     return jax.jit(lambda params, x, cache: model.apply({"params": params}, x, cache))
