@@ -27,7 +27,7 @@ from jaxgpt.blocks import layers_as, stack_layers, unstack_layers  # noqa: F401 
 from jaxgpt.model_config import ComputeConfig, GPTConfig
 from jaxgpt.platforms import forms
 from jaxgpt.positions import SCHEMES
-from jaxgpt.quantize.layers import Int8Embed, Int8Linear
+from jaxgpt.quantize.layers import Dense, Int8Embed, Int8Linear
 from jaxgpt.registries import check_compute, check_model, compute_on
 
 INIT_STD = 0.02
@@ -56,24 +56,13 @@ def embedding_std(cfg: GPTConfig) -> float:
 # --- modules ------------------------------------------------------------------------------
 
 
-class Linear(nn.Module):
+class Linear(Dense):
     """y = x W + b, with W of shape (input dims…, output dims…): the input dims are the last
-    `n_in` axes of x. Computed as one 2-D matmul (`product`). `axes` names W's dimensions
-    (jaxgpt.layout: inputs first, then outputs); b is named by the output ones, and by `norm`
-    for a vector of width d_model.
+    `n_in` axes of x. Computed as one 2-D matmul (`product`; the frame, fields and b are
+    jaxgpt.quantize.layers.Dense's).
     W is drawn from N(0, σ²), σ = kernel_std(cfg, fan_in, residual), or is zero at first with
     `zero_init` (cfg.zero_init_out's projections). With compute.weights="int8" the model makes
     jaxgpt.quantize.layers.Int8Linear in its place (`dense`), with the same arguments."""
-
-    features: tuple
-    axes: tuple  # logical names of W's dimensions: n_in inputs, then one per feature
-    cfg: GPTConfig
-    compute: ComputeConfig
-    group: str = "matrix"  # jaxgpt.layout.GROUPS: 'head' for the unembedding
-    n_in: int = 1
-    use_bias: bool = True
-    residual: bool = False  # writes into the residual stream
-    zero_init: bool = False  # W starts at zero
 
     @staticmethod
     def product(w: dict, x, compute: ComputeConfig):
@@ -92,20 +81,8 @@ class Linear(nn.Module):
                             (*in_shape, *out_shape), self.compute.params_dtype)
         w = {"kernel": kernel.reshape(math.prod(in_shape), math.prod(out_shape))}
         if self.use_bias:
-            out_axes = self.axes[self.n_in:]
-            bias_axes = ("norm",) if out_axes == ("embed",) else out_axes
-            w["bias"] = self.param("bias", layout.declare(nn.initializers.zeros, bias_axes), out_shape,
-                                   self.compute.params_dtype)
+            w["bias"] = self.bias(out_shape)
         return w
-
-    def __call__(self, x):
-        in_shape, batch = x.shape[x.ndim - self.n_in:], x.shape[: x.ndim - self.n_in]
-        x2 = x.reshape(*batch, math.prod(in_shape)).astype(self.compute.compute_dtype)
-        w = self.weights(in_shape)
-        y = self.product(w, x2, self.compute).reshape(*batch, *self.features)
-        if self.use_bias:
-            y = y + w["bias"].astype(y.dtype)
-        return rows_split(y)
 
 
 def dense(compute: ComputeConfig) -> type[Linear] | type[Int8Linear]:

@@ -68,6 +68,7 @@ def test_a_failed_preload_interrupts_the_main_thread_again_until_it_is_heard(mon
 
     background = preload.Background.__new__(preload.Background)
     background._lock, background._waited, background.error = threading.Lock(), False, OSError("gone")
+    background._heard = threading.Event()
     sent = []
 
     def interrupt_main():  # the third is heard: the main thread waits for the preload then

@@ -19,7 +19,6 @@ import json
 import logging
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +80,7 @@ class Background:
 
         self.args, self._loaded, self.error, self.claimed = args, loaded, None, False
         self._ready, self._lock, self._waited = threading.Event(), threading.Lock(), False
+        self._heard = threading.Event()  # set when the main thread waits for this one
         # not a daemon: the process waits for its compiles before it exits (JAX's backends are torn down then)
         self._thread = threading.Thread(target=self._run, args=(batch_size, interrupt_main), name="jaxgpt-preload")
         self._thread.start()
@@ -112,7 +112,8 @@ class Background:
                 if self._waited:
                     return
                 _thread.interrupt_main()
-            time.sleep(INTERRUPT_AGAIN_S)
+            if self._heard.wait(INTERRUPT_AGAIN_S):
+                return
 
     def matches(self, run_dir, step, stride) -> bool:
         args = self.args
@@ -122,6 +123,7 @@ class Background:
     def loaded(self) -> Loaded:
         with self._lock:
             self._waited = True
+            self._heard.set()
         self._ready.wait()
         if self.error is not None:
             raise self.error
@@ -134,6 +136,7 @@ class Background:
         """Wait for the thread, which from now on interrupts nobody."""
         with self._lock:
             self._waited = True
+            self._heard.set()
         self.wait()
 
 

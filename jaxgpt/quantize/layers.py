@@ -3,6 +3,7 @@
     q, s = quantize(W)      W (*out, *in) → int8 q (*out, *in) and a float32 scale s (*out) per
                             output channel: W ≈ dequantize(q, s) = q·s
     int8_linear(x, q, s)    y = x Wᵀ with W = q·s, the product reading the int8 bytes
+    Dense                   y = x W + b as one 2-D product: the frame model.Linear and Int8Linear share
     Int8Linear              model.Linear's y = x W + b, W read as kernel_q and kernel_scale
     Int8Embed               the token embedding E ≈ q·s row by row, and the tied unembedding x Eᵀ
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxgpt import layout
 from jaxgpt.axes import rows_split
+from jaxgpt.model_config import ComputeConfig, GPTConfig
 from jaxgpt.platforms import forms
 
 INT8_MAX = 127
@@ -52,24 +54,48 @@ def int8_linear(x, q, scale, form: str = forms.AUTO):
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-class Int8Linear(nn.Module):
-    """y = x W + b as model.Linear computes it, with W read as kernel_q (output dims…, input
-    dims…) int8 and kernel_scale (output dims…): W ≈ dequantize(kernel_q, kernel_scale)ᵀ
-    (int8_linear). b stays in param_dtype. Its fields are model.Linear's (residual and zero_init
-    only say how a float W is drawn): the model makes either with the same arguments."""
+class Dense(nn.Module):
+    """y = x W + b for x (..., *in) and W (*in, *features), the input dims the last `n_in` axes of
+    x, computed as one 2-D product: the frame that model.Linear (float W) and Int8Linear (int8 W)
+    share. A subclass makes `weights` (W as its `product` takes it, and b) and gives `product`.
+    `axes` names W's dimensions (jaxgpt.layout: inputs first, then outputs); b is named by the
+    output ones, and by `norm` for a vector of width d_model."""
 
     features: tuple
     axes: tuple  # logical names of W's dimensions: n_in inputs, then one per feature
-    cfg: Any  # GPTConfig
-    compute: Any  # ComputeConfig
-    group: str = "matrix"
+    cfg: GPTConfig
+    compute: ComputeConfig
+    group: str = "matrix"  # jaxgpt.layout.GROUPS: 'head' for the unembedding
     n_in: int = 1
     use_bias: bool = True
-    residual: bool = False
-    zero_init: bool = False
+    residual: bool = False  # writes into the residual stream
+    zero_init: bool = False  # W starts at zero
+
+    def bias(self, out_shape: tuple):
+        """b (out_shape), in param_dtype, zero at first."""
+        out_axes = self.axes[self.n_in:]
+        bias_axes = ("norm",) if out_axes == ("embed",) else out_axes
+        declared = layout.declare(nn.initializers.zeros, bias_axes)
+        return self.param("bias", declared, out_shape, self.compute.params_dtype)
+
+    def __call__(self, x):
+        in_shape, batch = x.shape[x.ndim - self.n_in:], x.shape[: x.ndim - self.n_in]
+        x2 = x.reshape(*batch, math.prod(in_shape)).astype(self.compute.compute_dtype)
+        w = self.weights(in_shape)
+        y = self.product(w, x2, self.compute).reshape(*batch, *self.features)
+        if self.use_bias:
+            y = y + w["bias"].astype(y.dtype)
+        return rows_split(y)
+
+
+class Int8Linear(Dense):
+    """y = x W + b as model.Linear computes it, with W read as kernel_q (output dims…, input
+    dims…) int8 and kernel_scale (output dims…): W ≈ dequantize(kernel_q, kernel_scale)ᵀ
+    (int8_linear). b stays in param_dtype. Its fields are Dense's (residual and zero_init only
+    say how a float W is drawn): the model makes either with the same arguments."""
 
     @staticmethod
-    def product(w: dict, x, compute):
+    def product(w: dict, x, compute: ComputeConfig):
         """y = x W for x (..., n) in x's dtype, W int8 with a scale per output channel as `weights`
         give it ({'kernel_q'} (m, n), {'kernel_scale'} (m,)): int8_linear in compute.matmul's form."""
         rows = int8_linear(x.reshape(-1, x.shape[-1]), w["kernel_q"], w["kernel_scale"], compute.matmul)
@@ -85,19 +111,8 @@ class Int8Linear(nn.Module):
         scale = self.param("kernel_scale", layout.declare(nn.initializers.ones, out_axes), out_shape, jnp.float32)
         w = {"kernel_q": q.reshape(scale.size, -1), "kernel_scale": scale.reshape(-1)}
         if self.use_bias:
-            bias_axes = ("norm",) if out_axes == ("embed",) else out_axes
-            w["bias"] = self.param("bias", layout.declare(nn.initializers.zeros, bias_axes), out_shape,
-                                   self.compute.params_dtype)
+            w["bias"] = self.bias(out_shape)
         return w
-
-    def __call__(self, x):
-        in_shape, batch = x.shape[x.ndim - self.n_in:], x.shape[: x.ndim - self.n_in]
-        x2 = x.reshape(*batch, math.prod(in_shape)).astype(self.compute.compute_dtype)
-        w = self.weights(in_shape)
-        y = self.product(w, x2, self.compute).reshape(*batch, *self.features)
-        if self.use_bias:
-            y = y + w["bias"].astype(y.dtype)
-        return rows_split(y)
 
 
 class Int8Embed(nn.Module):
