@@ -15,7 +15,6 @@ import tempfile
 import jax
 import numpy as np
 import pytest
-from processes import SUITE_XLA_FLAGS
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # ours for this session: removed at its end
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxgpt-xla-cache-")
@@ -28,18 +27,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 # make one per core); subprocesses choose their own.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     jax.config.update("jax_num_cpu_devices", 1)
-# This process compiles hundreds of small programs and runs each a few times: without LLVM's
-# expensive passes XLA compiles them about a fifth faster (test_scan_layers' loop cases: 56 s to
-# 45 s on a 2-core Xeon), the same values bit for bit in the suite's exactness tests. XLA reads
-# its flags when the backend starts, here; the commands the tests run in subprocesses compile as
-# a user's do, with the flags the suite was started with.
-_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
-os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {SUITE_XLA_FLAGS}".strip()
-jax.devices()
-if _USER_XLA_FLAGS is None:
-    del os.environ["XLA_FLAGS"]
-else:
-    os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS
 
 
 @pytest.fixture
