@@ -140,7 +140,7 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name}={value!r}: must be a positive integer")
         for name, valid in (("norm", NORMS), ("norm_position", NORM_POSITIONS), ("init", INITS)):
-            _check_choice("GPTConfig", name, getattr(self, name), valid)
+            check_choice("GPTConfig", name, getattr(self, name), valid)
         for name in ("parallel_block", "bias", "tie_embeddings", "logits_bias", "qk_norm", "zero_init_out", "smear",
                      "unet_skips"):
             _check_bool("GPTConfig", name, getattr(self, name))
@@ -250,12 +250,12 @@ class ComputeConfig:
         if not (is_int(self.loss_chunk) and self.loss_chunk >= 0):
             raise ValueError(f"ComputeConfig.loss_chunk={self.loss_chunk!r}: must be an integer ≥ 0, the tokens per "
                              f"chunk of the loss on each device (0: the whole logits at once; 4096 is a usual chunk)")
-        _check_choice("ComputeConfig", "weights", self.weights, WEIGHTS)
+        check_choice("ComputeConfig", "weights", self.weights, WEIGHTS)
         for name in ("matmul", "rope"):  # the forms' names: registries.check_compute
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"ComputeConfig.{name}={getattr(self, name)!r}: must be a form's name, or 'auto'")
         for name in ("dtype", "param_dtype"):
-            _check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
+            check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
         for name in ("remat", "scan_layers"):
             _check_bool("ComputeConfig", name, getattr(self, name))
 
@@ -302,7 +302,8 @@ def _from_dict(cls, values: dict):
     return cls(**values)
 
 
-def _check_choice(owner: str, name: str, value: Any, valid) -> None:
+def check_choice(owner: str, name: str, value: Any, valid) -> None:
+    """A one-line ValueError when `value` is not one of `valid`, naming owner.name and the choices."""
     if value not in valid:
         raise ValueError(f"{owner}.{name}={value!r}: must be one of {', '.join(valid)}")
 

@@ -30,18 +30,13 @@ import jax.numpy as jnp
 from jaxgpt import ops
 from jaxgpt.attention import FORMS, KERNELS
 from jaxgpt.attention.kernels import AUTO, DEVICES, for_platform
-from jaxgpt.model_config import ComputeConfig, GPTConfig
+from jaxgpt.model_config import ComputeConfig, GPTConfig, check_choice
 from jaxgpt.platforms import forms
 from jaxgpt.positions import SCHEMES
 
 # what each ability of a kernel (jaxgpt.attention.kernels.Kernel) lets it do, as a refusal says it is missing
 ABILITIES = {"dropout": "apply attention dropout", "bias": "add a bias to the scores",
              "window": "keep to a sliding window", "segments": "keep packed examples apart (segments)"}
-
-
-def _check_choice(owner: str, name: str, value: Any, valid) -> None:
-    if value not in valid:
-        raise ValueError(f"{owner}.{name}={value!r}: must be one of {', '.join(valid)}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -53,7 +48,7 @@ def check_model(cfg: GPTConfig) -> GPTConfig:
                          f"compute.kernel={cfg.attention!r} (and attention='softmax', the default)")
     for name, valid in (("positions", SCHEMES), ("activation", ops.ACTIVATIONS), ("attention", FORMS),
                         ("linear_feature", ops.FEATURE_MAPS)):
-        _check_choice("GPTConfig", name, getattr(cfg, name), valid)
+        check_choice("GPTConfig", name, getattr(cfg, name), valid)
     scheme, form = SCHEMES[cfg.positions], FORMS[cfg.attention]
     scheme.check(cfg)
     form.check(cfg)
@@ -82,9 +77,9 @@ def open_model(values: Mapping[str, Any]) -> GPTConfig:
 def check_compute(compute: ComputeConfig) -> ComputeConfig:
     """compute, when its kernel is one of KERNELS or 'auto' and its matmul and rope name a form of
     jaxgpt.platforms.forms (MATMULS, ROPES) or 'auto'; a one-line ValueError otherwise."""
-    _check_choice("ComputeConfig", "kernel", compute.kernel, (*KERNELS, AUTO))
-    _check_choice("ComputeConfig", "matmul", compute.matmul, (*forms.MATMULS, forms.AUTO))
-    _check_choice("ComputeConfig", "rope", compute.rope, (*forms.ROPES, forms.AUTO))
+    check_choice("ComputeConfig", "kernel", compute.kernel, (*KERNELS, AUTO))
+    check_choice("ComputeConfig", "matmul", compute.matmul, (*forms.MATMULS, forms.AUTO))
+    check_choice("ComputeConfig", "rope", compute.rope, (*forms.ROPES, forms.AUTO))
     return compute
 
 
