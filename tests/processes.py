@@ -8,11 +8,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite's own programs (its process, and the snippets it runs with N devices) compile with
+# LLVM's optimisations off (conftest.py). The commands a user runs are run with the flags the
+# suite was started with.
+SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a snippet of the suite's own with `devices` CPU devices."""
+    return f"--xla_force_host_platform_device_count={devices} {SUITE_XLA_FLAGS}"
 
 
 def with_devices(code: str, *args, devices: int = 8) -> subprocess.Popen:
     """`python -c code args…` with `devices` CPU devices and jaxgpt importable."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

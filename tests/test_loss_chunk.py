@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from processes import xla_flags
 
 from jaxgpt import ops
 from jaxgpt.loss import chunked, score_targets
@@ -239,7 +240,7 @@ def test_a_run_with_a_chunk_larger_than_its_batch_trains_as_the_whole_logits(tmp
 def test_sharded_chunked_training_equals_one_device_whole_logits():
     """On 8 fake CPU devices (data, fsdp, tensor = 2, 2, 2: the rows split 4 ways), chunks of 4 tokens
     a device: three steps give the single-device whole-logits losses and parameters."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(TESTS.parent)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "PYTHONPATH": str(TESTS.parent)}
     script = ("import json, sys, numpy as np, jax, sharded_training as st\n"
               "from jaxgpt.model import GPT\nfrom jaxgpt.model_config import ComputeConfig\n"
               "ref, ref_params, _, _ = st.run(None)\nout = {}\n"

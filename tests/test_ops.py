@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from processes import xla_flags
 
 from jaxgpt import ops
 
@@ -222,7 +223,7 @@ def test_dropout_mask_is_the_same_sharded_over_eight_devices_and_drawn_shard_by_
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(root)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", DROPOUT_ON_EIGHT_DEVICES], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

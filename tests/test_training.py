@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from processes import xla_flags
 
 from jaxgpt import GPTConfig, sharding
 from jaxgpt.config import TrainConfig
@@ -43,7 +44,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 def test_sharded_training_equals_single_device():
     """On 8 fake CPU devices: meshes (8,1,1), (2,2,2), (1,1,8) give the single-device
     losses and parameters after 3 steps (with 2 accumulated micro-batches per step)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(TESTS / "sharded_training.py")], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -160,7 +161,9 @@ def test_the_init_program_compiled_for_speed_of_compiling_gives_the_default_valu
     cfg = GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=32)
     optimizer = make_optimizer(TrainConfig(steps=10, warmup_steps=1), param_layout(cfg))
     state, _ = sharded_init(cfg, optimizer, 3, sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}))
-    default = jax.jit(lambda seed: init_state(cfg, optimizer, seed))(3)
+    # XLA's default, named: the suite's own process compiles at -O0 (conftest.py)
+    default = jax.jit(lambda seed: init_state(cfg, optimizer, seed),
+                      compiler_options={"xla_backend_optimization_level": 3})(3)
     leaves = jax.tree.leaves(default)
     assert len(leaves) == len(jax.tree.leaves(state)) and any(np.asarray(x).std() > 0 for x in leaves)
     for x, y in zip(jax.tree.leaves(state), leaves, strict=True):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from processes import xla_flags
 from test_model import RECIPE, decode_step_by_step, forward, init_params, random_params, tiny, tokens
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache, layout
@@ -240,7 +241,7 @@ print("ok")
 def test_grouped_query_attention_runs_tensor_parallel():
     """On 2 fake CPU devices, K and V heads split over the tensor axis: the same logits."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(root)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", GQA_ON_TWO_DEVICES], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
