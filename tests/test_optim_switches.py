@@ -164,7 +164,10 @@ def test_cautious_weight_decay_decays_only_where_update_and_parameter_agree_in_s
                                    grads[:1])[0])
     for key, (p, _) in muon_leaves(params).items():
         p, o = np.asarray(p, np.float64), -plain[key][0] / eta
-        np.testing.assert_allclose(got[key][0], -eta * (o + lam * p * (o * p >= 0)), rtol=1e-5, atol=1e-7)
+        # two float32 programs' Newton–Schulz iterations: their rounding, amplified, differs by a few 1e-5 of
+        # the direction's largest entry; a decay applied where it should not be moves an entry by ηλ|θ|, far more
+        np.testing.assert_allclose(got[key][0], -eta * (o + lam * p * (o * p >= 0)), rtol=1e-5,
+                                   atol=eta * 5e-5 * np.abs(o).max())
         assert 0 < np.mean(o * p >= 0) < 1  # both cases occur
 
 
