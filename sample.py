@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 from absl import logging as absl_logging
 
-from jaxgpt import convert, viz
+from jaxgpt import convert
 from jaxgpt.attention import KERNELS
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.cli import unescape
@@ -300,6 +300,8 @@ def main(argv=None) -> int:
         temperature_scale = calibrated_temperature(Path(args.run_dir)) if args.calibrated else 1.0
         prompt, ids = prompt_ids(args, tokenizer, text)
         if args.attention_png:
+            from jaxgpt import viz  # matplotlib: only for the picture
+
             viz.draw_attention(params, config, tokenizer, ids, args.attention_png, layer=args.attention_layer,
                                name=Path(args.run_dir or args.hf_dir).name)
     except (ValueError, CheckpointError) as err:

@@ -6,7 +6,8 @@ Every argument is the harness's own (`lm_eval run --help`); importing jaxgpt.har
 model_args are checked first, before the harness is imported or its tasks indexed, and the run
 then loads and its scoring programs compile (`jaxgpt.harness.preload`) while the harness builds
 its tasks; compiled programs are kept on disk (jaxgpt.sharding.use_compilation_cache: 'auto'),
-so a second run loads them. Bad model_args, a run that cannot be loaded, and an error the harness
+so a second run loads them; the index of the harness's built-in tasks is kept on disk too
+(jaxgpt.harness.tasks). Bad model_args, a run that cannot be loaded, and an error the harness
 raises for its input, are one line on stderr and status 2; so is a missing harness (the eval
 extra), --help or not.
 """
@@ -62,12 +63,17 @@ def evaluate(settings, argv: list[str]) -> int:
 
 
 def run_harness(argv: list[str]) -> int:
+    """The harness's command line; its built-in tasks indexed from the index kept on disk
+    (jaxgpt.harness.tasks), not from their 14,000 files."""
     from lm_eval.__main__ import cli_evaluate
+
+    from jaxgpt.harness.tasks import kept_builtin_index
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]  # the harness's parser reads sys.argv
     try:
-        cli_evaluate()
+        with kept_builtin_index():
+            cli_evaluate()
     finally:
         sys.argv = saved
     return 0
