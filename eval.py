@@ -64,6 +64,9 @@ def parse_args(argv):
     model.add_argument("--run_dir", help="a training run's directory")
     model.add_argument("--hf_dir", help="a Hugging Face GPT-2 directory (config.json, model.safetensors, "
                                         "vocab.json, merges.txt)")
+    parser.add_argument("--compilation_cache", default="auto",
+                        help="where compiled programs are kept between runs, as train.py's compilation_cache: 'auto' "
+                             "($JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxgpt/xla), a directory, or 'off'")
     parser.add_argument("--step", type=int, help="with --run_dir: the checkpoint step (default: the best by "
                                                  "validation loss)")
     parser.add_argument("--data", help="the text: a file, directory or glob, 'stdlib' or 'tfds:NAME[:SPLIT]' "
@@ -409,6 +412,9 @@ def main(argv=None) -> int:
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     try:
         check_args(args)
+        from jaxgpt.sharding import use_compilation_cache
+
+        use_compilation_cache(args.compilation_cache)  # a second evaluation loads its programs
         result = evaluate(args)
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"eval.py: error: {err}", file=sys.stderr)

@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 from absl import logging as absl_logging
 
-from jaxgpt import convert
+from jaxgpt import convert, sharding
 from jaxgpt.attention import KERNELS
 from jaxgpt.checkpoint import CheckpointError
 from jaxgpt.cli import unescape
@@ -80,6 +80,9 @@ def parse_args(argv):
     parser.add_argument("--top_k", type=int, help="draw among the k most likely tokens only")
     parser.add_argument("--top_p", type=float, help="draw among the fewest most likely tokens holding probability p")
     parser.add_argument("--beams", type=int, help="beam search with this many beams instead of sampling")
+    parser.add_argument("--compilation_cache", default="auto",
+                        help="where compiled programs are kept between runs, as train.py's compilation_cache: 'auto' "
+                             "($JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxgpt/xla), a directory, or 'off'")
     parser.add_argument("--step", type=int, help="with --run_dir: the checkpoint step (default: the best by validation "
                                                  "loss, or the newest intact one when that is damaged)")
     parser.add_argument("--calibrated", action="store_true",
@@ -292,6 +295,7 @@ def main(argv=None) -> int:
     tidy_cli_output()
     try:
         check_args(args)
+        sharding.use_compilation_cache(args.compilation_cache)  # a second sample loads its programs
         compute = compute_settings(args)
         check_kernel_here(args, compute)
         text = read_prompt(args) if args.record is None else None

@@ -255,8 +255,10 @@ def test_train_eval_records_and_sample_a_record_end_to_end(tmp_path):
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "val_loss" in metrics[-1] and metrics[-1]["step"] == 12
 
-    evaluated = run_script("eval.py", "--run_dir", run, "--records")
+    kept = tmp_path / "kept_programs"  # eval.py keeps its compiled programs where --compilation_cache says
+    evaluated = run_script("eval.py", "--run_dir", run, "--records", "--compilation_cache", kept)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert any(kept.iterdir())
     line, result = evaluated.stdout.splitlines()
     result = json.loads(result)
     held_out = round(60 * 0.05)  # the config's val_fraction

@@ -134,12 +134,16 @@ def test_train_py_end_to_end_then_sample(tmp_path, corpus):
     cores = sharding.auto_cpu_devices(sharding.available_cores(), [TINY_OVERRIDES["train.batch_size"]])
     assert f"{cores} cpu device(s), mesh {{'data': {cores}," in out.stderr  # one device per core
 
-    # sample.py on the run directory these training steps made: streamed, with next-token probabilities
+    # sample.py on the run directory these training steps made: streamed, with next-token probabilities; as on
+    # a user's machine (no JAX_COMPILATION_CACHE_DIR) its programs are kept in ~/.cache/jaxgpt/xla for the next
+    home = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"} | {
+        "XDG_CACHE_HOME": str(tmp_path / "user_cache")}
     sampled = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--run_dir", str(run), "--prompt", "The king",
                               "--max_new_tokens", "5", "--stream", "--show_probs", "3"],
-                             capture_output=True, text=True, cwd=ROOT, timeout=240)
+                             capture_output=True, text=True, cwd=ROOT, timeout=240, env=home)
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     assert "The king" in sampled.stdout and "%" in sampled.stdout and "↦" in sampled.stdout
+    assert any((tmp_path / "user_cache" / "jaxgpt" / "xla").iterdir())
 
 
 @pytest.mark.parametrize("override, message", [
