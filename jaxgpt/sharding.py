@@ -179,9 +179,18 @@ def compilation_cache_dir(setting: str, environ=os.environ) -> str | None:
 def use_compilation_cache(setting: str) -> str | None:
     """JAX's persistent compilation cache in compilation_cache_dir(setting), every program
     kept however fast it compiled: a run repeated on this machine loads its programs instead
-    of compiling them. Returns the directory, or None when the setting is off."""
+    of compiling them. Returns the directory, or None when the setting is off. A directory
+    named that cannot be made is a one-line ValueError; where 'auto' cannot make its own (a
+    read-only home), no cache."""
     directory = compilation_cache_dir(setting)
     if directory is not None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            if setting == "auto":
+                return None
+            raise ValueError(f"compilation_cache={setting}: cannot keep compiled programs there ({error.strerror}): "
+                             "name a writable directory, 'auto' or 'off'") from None
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

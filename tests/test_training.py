@@ -104,6 +104,21 @@ def test_compilation_cache_directory_follows_the_setting_and_the_environment(tmp
     assert compilation_cache_dir("auto", {"XDG_CACHE_HOME": str(tmp_path)}) == str(tmp_path / "jaxgpt" / "xla")
 
 
+@pytest.mark.parametrize("command, argv", [("train.py", ["--config.compilation_cache={}"]),
+                                           ("sample.py", ["--run_dir", "nowhere", "--compilation_cache={}"]),
+                                           ("eval.py", ["--run_dir", "nowhere", "--compilation_cache={}"])])
+def test_a_compilation_cache_that_cannot_be_a_directory_is_one_line(tmp_path, command, argv):
+    """A file where the cache directory should be: one line that says what to pass, status 2, before any work."""
+    (tmp_path / "a_file").write_text("not a directory")
+    out = subprocess.run([sys.executable, str(ROOT / command), *(a.format(tmp_path / "a_file") for a in argv)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    said = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(said) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert said[0].endswith(f"compilation_cache={tmp_path / 'a_file'}: cannot keep compiled programs there (File "
+                            "exists): name a writable directory, 'auto' or 'off'"), said
+    assert list(tmp_path.iterdir()) == [tmp_path / "a_file"]  # nothing else written
+
+
 def test_a_repeated_run_loads_its_programs_from_the_compilation_cache(tmp_path):
     """The second identical run compiles nothing: every program comes from the cache the first
     wrote (the files JAX keeps there: the second run neither adds one nor rewrites one)."""
