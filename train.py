@@ -72,7 +72,7 @@ def main(argv) -> int:
             from jaxgpt import compile as ahead
 
             return ahead.print_and_check(ahead.report(config))
-        result = run.train(config, explicit=overridden_keys(argv))
+        result = run.train(config, explicit=overridden_keys(argv), keep_programs=True)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the run is saved: Ctrl-C now only stops the sample
     except (ValueError, OSError, run.TrainingError, CheckpointError) as error:
         fail(one_line(error, limit=2000))

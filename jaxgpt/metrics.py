@@ -61,17 +61,22 @@ def peak_cache_path(environ=os.environ) -> Path:
     return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxgpt" / PEAK_FILE
 
 
-def machine_key(dtype=jnp.float32) -> str:
-    """What a measured peak depends on: the CPU model, the cores this process may use, the
-    JAX version and the dtype."""
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's), else what the platform module says."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
     except OSError:
         pass
+    return model
+
+
+def machine_key(dtype=jnp.float32) -> str:
+    """What a measured peak depends on: the CPU model, the cores this process may use, the
+    JAX version and the dtype."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model} | {cores} cores | jax {jax.__version__} | {jnp.dtype(dtype).name}"
+    return f"{cpu_model()} | {cores} cores | jax {jax.__version__} | {jnp.dtype(dtype).name}"
 
 
 def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32, at_least: float = 0.0) -> float:

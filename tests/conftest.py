@@ -5,17 +5,22 @@ of the suite compile each distinct program once (subprocesses inherit the cache 
 JAX_COMPILATION_CACHE_DIR)."""
 
 # isort: off
-import jaxgpt  # noqa: F401  (first: keeps an accelerator's plugin this machine cannot use out of JAX, jaxgpt.platforms)
-# isort: on
-import atexit
 import os
-import shutil
-import tempfile
 
-import jax
-import numpy as np
-import pytest
 from processes import SUITE_XLA_FLAGS
+
+# The suite's XLA flags (below) are in the environment when jaxgpt and JAX start, and only then
+_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {SUITE_XLA_FLAGS}".strip()
+import jaxgpt  # noqa: F401,E402  (before JAX: keeps an accelerator's plugin this machine cannot use out, jaxgpt.platforms)
+# isort: on
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # ours for this session: removed at its end
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxgpt-xla-cache-")
@@ -35,9 +40,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # runs slower, which tiny programs do not feel. Values differ from the defaults' by rounding:
 # every test compares programs compiled alike, or holds a tolerance. XLA reads its flags when the
 # backend starts, here; the commands the tests run in subprocesses compile as a user's do, with
-# the flags the suite was started with.
-_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
-os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {SUITE_XLA_FLAGS}".strip()
+# the flags the suite was started with. (jaxgpt.platforms.STARTED_WITH holds the suite's, which
+# the programs kept by jaxgpt.train.programs are found by.)
 jax.devices()
 if _USER_XLA_FLAGS is None:
     del os.environ["XLA_FLAGS"]

@@ -142,6 +142,7 @@ def test_a_repeated_run_loads_its_programs_from_the_compilation_cache(tmp_path):
 
     written = programs()
     assert len(written) >= 3  # init, train step, eval step, sampling…
+    assert len(list((cache / "programs").glob("*.pickle"))) == 1  # the train step, kept to be loaded untraced
     second = subprocess.run([*args, f"--config.run_dir={tmp_path / 'b'}"], capture_output=True, text=True, env=env,
                             timeout=240)
     assert second.returncode == 0, second.stderr[-2000:]

@@ -32,6 +32,10 @@ import sys
 import types
 from pathlib import Path
 
+# The environment XLA and JAX read as they start, as it was when jaxgpt was imported (before JAX,
+# in every command): what the programs this process compiles depend on (jaxgpt.train.programs).
+STARTED_WITH = {name: value for name, value in os.environ.items()
+                if name.startswith(("XLA_", "JAX_", "TPU_", "LIBTPU", "CUDA_", "NVIDIA_", "TF_"))}
 GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips are PCI devices of Google's vendor id (as JAX finds them)
 NVIDIA_DEVICE_FILES = ("nvidia0", "nvidiactl", "dxg")  # an NVIDIA GPU's, as JAX looks for one (dxg: WSL2's)
 GPU_PLUGINS = {"cuda": ("jax_cuda12_plugin", "jax_cuda13_plugin"), "rocm": ("jax_rocm60_plugin", "jax_rocm7_plugin")}

@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from jaxgpt.errors import TrainingError, one_line
 from jaxgpt.model import GPT, flops_per_token, param_layout
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.score.completions import RUN_TEMPLATE, record_prompt, templates_named
+from jaxgpt.train import programs
 from jaxgpt.train.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.train.opening import Run, compute_config, init_or_restore, leave_nothing, model_config, open_run
 from jaxgpt.train.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
@@ -144,10 +145,13 @@ class StopRequested:
         return False
 
 
-def train(config, explicit: Collection[str] = ()) -> dict:
+def train(config, explicit: Collection[str] = (), keep_programs: bool = False) -> dict:
     """Run training as the config says (jaxgpt.config.default_config() lists every key);
     returns the final metrics, the step reached and what stopped it early, if anything.
-    `explicit`: the dotted keys the user set (open_run). Call sharding.start_jax(config)
+    `explicit`: the dotted keys the user set (open_run). `keep_programs`: the train step is
+    kept with what it was lowered from, and loaded by the next run with the same (jaxgpt.train.programs);
+    train.py's, whose process runs only what its files say (a program changed in memory, as a
+    notebook may, would not be seen). Call sharding.start_jax(config)
     first for one CPU device per core or several hosts.
 
     SIGINT/SIGTERM at any moment (preparing data, compiling, training) stop the run at the
@@ -157,7 +161,7 @@ def train(config, explicit: Collection[str] = ()) -> dict:
         failed = True
         try:
             with jax.set_mesh(run.mesh):  # every program traced here lays its activations out by the mesh (axes)
-                result = _train(run, stop)
+                result = _train(run, stop, keep_programs)
             failed = False
             return result
         finally:
@@ -167,7 +171,7 @@ def train(config, explicit: Collection[str] = ()) -> dict:
                 leave_nothing(run.directory, run.before)
 
 
-def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, Any]]:
+def _state_and_steps(run: Run, optimizer, keep: bool) -> tuple[TrainState, int, dict[int, Any]]:
     """(the state, the step to start at, the compiled train step of each batch's rows: one, or
     one per distinct rows of train.batch_schedule from the start on; none when no step is left).
     XLA compiles the steps in a thread while the state is made or restored: a first run waits
@@ -176,20 +180,42 @@ def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, An
     abstract = abstract_state(run.gpt, optimizer, run.mesh)
     saved = max(run.checkpoints.steps(), default=0) if run.resuming else 0
     rows = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, saved, tc.steps)
-    lowered = {r: lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records,
-                                   r // tc.batch_size) for r in rows}
     with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
-        compiling = {r: compiler.submit(program.compile) for r, program in lowered.items()} if saved < tc.steps else {}
+        compiling = {r: _kept_or_compiling(run, optimizer, abstract, r, compiler, keep) for r in rows} \
+            if saved < tc.steps else {}
         state, _, start_step = init_or_restore(run, optimizer, tc.seed, abstract)
     if start_step >= tc.steps:
         return state, start_step, {}
     needed = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, start_step, tc.steps)
-    return state, start_step, {r: compiling[r].result() if r in compiling else
-                               lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records,
-                                                r // tc.batch_size).compile() for r in needed}
+    return state, start_step, {r: (compiling[r] if r in compiling else
+                                   _kept_or_compiling(run, optimizer, abstract, r, None, keep)).result()
+                               for r in needed}
 
 
-def _train(run: Run, stop: StopRequested) -> dict:
+def _kept_or_compiling(run: Run, optimizer, abstract: TrainState, rows: int, compiler: ThreadPoolExecutor | None,
+                       keep: bool):
+    """The train step for batches of `rows`, as a future: with `keep`, the program a run with
+    the same description kept (jaxgpt.train.programs: no tracing); else lowered here and
+    compiled on `compiler`'s thread (None: now), then kept (with `keep`)."""
+    tc, accum = run.train, rows // run.train.batch_size
+    description = repr((run.gpt.cfg, run.gpt.compute, tc, run.corpus.records, accum, sharding.compiler_options(
+        run.mesh), dict(run.mesh.shape), [d.id for d in run.mesh.devices.flat],
+        jax.tree.map(lambda a: (a.shape, str(a.dtype), str(a.sharding)), abstract)))
+    kept, key = programs.load(description) if keep else (None, None)
+    if kept is not None:
+        done = Future()
+        done.set_result(kept)
+        return done
+    lowered = lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records, accum)
+    compile_and_keep = lambda: programs.keep(key, lowered.compile())  # noqa: E731
+    if compiler is not None:
+        return compiler.submit(compile_and_keep)
+    done = Future()
+    done.set_result(compile_and_keep())
+    return done
+
+
+def _train(run: Run, stop: StopRequested, keep_programs: bool = False) -> dict:
     """The loop: init or restore, then for each step train, log, evaluate and save.
 
     A log step's metrics are read once the next step is dispatched, so the devices never
@@ -198,7 +224,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
     far was found finite."""
     tc = run.train
     optimizer = make_optimizer(tc, param_layout(run.gpt))
-    state, start_step, train_steps = _state_and_steps(run, optimizer)
+    state, start_step, train_steps = _state_and_steps(run, optimizer, keep_programs)
     tokens_per_step = tc.step_rows * run.model.block_size
     tokens_before = lambda step: run.model.block_size * batch_schedule.rows_before(  # noqa: E731
         tc.batch_schedule, tc.step_rows, step)

@@ -1,0 +1,112 @@
+"""Compiled programs kept with what they were lowered from, so that a repeated run does not trace.
+
+JAX's persistent compilation cache (jaxgpt.sharding.use_compilation_cache) spares a repeated
+run the compiling, but JAX finds a program there by the text it lowered to, so every run still
+traces the model and lowers it first: 1.4 s of a warm 1-step run of the CPU recipe on a 2-core
+CPU. A program kept here is found instead by a fingerprint of everything its lowering reads:
+
+    the settings it was lowered with     the caller's description (configs, shapes, shardings)
+    the code                             jaxgpt's files, a user's own imported modules and the files
+                                         the command names (path, size, modification time), and the
+                                         releases of JAX, Flax, optax…
+    how XLA and JAX were started         their environment variables when jaxgpt was imported
+                                         (jaxgpt.platforms.STARTED_WITH), and jax.config's values
+    the machine                          the devices (platform, kind, id, process) and the CPU model
+
+A change to any of them lowers and compiles again (from JAX's cache where it can). Programs are
+kept beside JAX's cache (in its directory, under programs/), only where that cache is on, only
+by a single-process run, and only where the caller asks: train.py, whose process runs what its
+files say (a notebook may change a function in memory, which no file shows). A kept program
+that cannot be read back is compiled again: never an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import sys
+import sysconfig
+from pathlib import Path
+
+import jax
+from jax.experimental import serialize_executable
+
+from jaxgpt import metrics, platforms
+
+FOLDER = "programs"
+
+
+# The libraries a train step's lowering runs through: their releases are part of the key.
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "numpy", "ml_dtypes")
+
+
+def code_state() -> list:
+    """The code a lowering reads: jaxgpt's files, the files of every imported module that is not
+    installed (a user's own) and the files the command line names (train.py's config file), each
+    as (path, size, modification time), and the libraries' releases."""
+    import jaxgpt
+
+    own = Path(jaxgpt.__file__).parent
+    installed = tuple({sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+                      | {sys.prefix, sys.base_prefix})
+    users = {module.__file__ for module in list(sys.modules.values()) if isinstance(getattr(module, "__file__", None),
+                                                                                    str)}
+    users = [name for name in users if not name.startswith(installed) and not name.startswith(str(own))]
+    state = [(name, getattr(sys.modules.get(name), "__version__", None)) for name in LIBRARIES]
+    named = [arg for arg in (arg.split("=", 1)[-1] for arg in sys.argv) if os.path.isfile(arg)]
+    for name in [*sorted(map(str, own.rglob("*.py"))), *sorted(users), *named]:
+        with contextlib.suppress(OSError, ValueError):
+            stat = os.stat(name)
+            state.append((name, stat.st_size, stat.st_mtime_ns))
+    return state
+
+
+def machine() -> list:
+    devices = [(d.id, d.platform, d.device_kind, d.process_index) for d in jax.devices()]
+    return [devices, jax.process_count(), metrics.cpu_model(), sys.version]
+
+
+def fingerprint(description: str) -> str:
+    """The key of a program lowered as `description` says, with this code, start and machine."""
+    config = sorted((name, repr(value)) for name, value in jax.config.values.items())
+    parts = [description, code_state(), sorted(platforms.STARTED_WITH.items()), config, machine()]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def folder() -> Path | None:
+    """Where programs are kept: JAX's compilation cache directory's programs/, when it is on."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1:
+        return None
+    return Path(directory) / FOLDER
+
+
+def load(description: str) -> tuple[jax.stages.Compiled | None, str | None]:
+    """(the program kept for `description`, or None; its key, None where nothing is kept)."""
+    where = folder()
+    if where is None:
+        return None, None
+    key = fingerprint(description)
+    with contextlib.suppress(Exception):  # unreadable, truncated, from another jaxlib: compiled again
+        payload, in_tree, out_tree = pickle.loads((where / f"{key}.pickle").read_bytes())
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), key
+    return None, key
+
+
+def keep(key: str | None, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
+    """Keep `compiled` under `key` (from load); returns it. A program that cannot be written is
+    simply not kept."""
+    where = folder()
+    if key is None or where is None:
+        return compiled
+    partial = where / f"{key}.{os.getpid()}.tmp"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(pickle.dumps(serialize_executable.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL))
+        partial.replace(where / f"{key}.pickle")  # whole or not at all
+    except Exception:  # noqa: BLE001  (not serialisable here, a full disk: the run goes on without it)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+    return compiled
