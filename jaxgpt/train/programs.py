@@ -28,6 +28,7 @@ import os
 import pickle
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 
 import jax
@@ -95,9 +96,30 @@ def load(description: str) -> tuple[jax.stages.Compiled | None, str | None]:
     return None, key
 
 
+_CACHE_HITS = threading.local()  # JAX's persistent-cache hits of each thread's compiles
+
+
+def _count_cache_hits(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _CACHE_HITS.count = getattr(_CACHE_HITS, "count", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
+
+
+def compile_and_keep(key: str | None, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """lowered.compile(), kept under `key` (from load) when XLA compiled it here: a program JAX
+    read back from its own cache holds no code of its kernels on a CPU (jaxlib 0.10: loaded in
+    another process it fails, "Function … not found"), so it is not kept, and the next run
+    lowers again and reads it from JAX's cache as before."""
+    hits = getattr(_CACHE_HITS, "count", 0)
+    compiled = lowered.compile()
+    return keep(key, compiled) if getattr(_CACHE_HITS, "count", 0) == hits else compiled
+
+
 def keep(key: str | None, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
-    """Keep `compiled` under `key` (from load); returns it. A program that cannot be written is
-    simply not kept."""
+    """Keep `compiled` (which XLA compiled in this process) under `key` (from load); returns it.
+    A program that cannot be written is simply not kept."""
     where = folder()
     if key is None or where is None:
         return compiled

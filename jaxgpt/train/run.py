@@ -207,11 +207,10 @@ def _kept_or_compiling(run: Run, optimizer, abstract: TrainState, rows: int, com
         done.set_result(kept)
         return done
     lowered = lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records, accum)
-    compile_and_keep = lambda: programs.keep(key, lowered.compile())  # noqa: E731
     if compiler is not None:
-        return compiler.submit(compile_and_keep)
+        return compiler.submit(programs.compile_and_keep, key, lowered)
     done = Future()
-    done.set_result(compile_and_keep())
+    done.set_result(programs.compile_and_keep(key, lowered))
     return done
 
 
