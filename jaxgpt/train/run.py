@@ -148,11 +148,11 @@ class StopRequested:
 def train(config, explicit: Collection[str] = (), keep_programs: bool = False) -> dict:
     """Run training as the config says (jaxgpt.config.default_config() lists every key);
     returns the final metrics, the step reached and what stopped it early, if anything.
-    `explicit`: the dotted keys the user set (open_run). `keep_programs`: the train step is
-    kept with what it was lowered from, and loaded by the next run with the same (jaxgpt.train.programs);
-    train.py's, whose process runs only what its files say (a program changed in memory, as a
-    notebook may, would not be seen). Call sharding.start_jax(config)
-    first for one CPU device per core or several hosts.
+    `explicit`: the dotted keys the user set (open_run). `keep_programs`: keep the compiled
+    train step with a fingerprint of what it was lowered from, and load, untraced, the one a run
+    with the same fingerprint kept (jaxgpt.train.programs); train.py asks for it, a notebook,
+    which can change a function in memory where no file shows it, should not. Call
+    sharding.start_jax(config) first for one CPU device per core or several hosts.
 
     SIGINT/SIGTERM at any moment (preparing data, compiling, training) stop the run at the
     next safe point with the last checkpoint written; a second signal stops at once."""
