@@ -12,7 +12,8 @@ before each new token, the K most likely next tokens under the model. Generation
 the tokenizer's <|eos|>. The work is done by jaxgpt.decode.sampling, jaxgpt.decode.beam and jaxgpt.decode.text.
 
 How the model runs is chosen here, whatever the run was trained with: --param_dtype
-bfloat16 keeps the weights in bfloat16, --weights int8 quantises each weight matrix to int8
+bfloat16 keeps the weights in bfloat16 (auto, the default: bfloat16 on a GPU or TPU, which then
+read half the bytes per token, float32 on a CPU), --weights int8 quantises each weight matrix to int8
 with a scale per output channel (a quarter of float32's bytes read per token), --dtype sets
 the matmuls' dtype and --kernel the attention kernel.
 
@@ -96,8 +97,9 @@ def parse_args(argv):
     parser.add_argument("--attention_layer", type=int, default=0,
                         help="the layer --attention_png draws, from 0 (default 0; -1 the last)")
     compute = parser.add_argument_group("how the model runs here (config.compute)")
-    compute.add_argument("--param_dtype", choices=DTYPES, default="float32",
-                         help="the dtype the params are kept in (default float32)")
+    compute.add_argument("--param_dtype", choices=(*DTYPES, "auto"), default="auto",
+                         help="the dtype the params are kept in (default auto: bfloat16 on a GPU or TPU, float32 on a "
+                              "CPU)")
     compute.add_argument("--dtype", choices=DTYPES, help="the dtype the matmuls compute in (default: --param_dtype)")
     compute.add_argument("--weights", choices=WEIGHTS, default="float",
                          help="int8: weight-only quantisation, a scale per output channel (default float)")
@@ -107,8 +109,12 @@ def parse_args(argv):
 
 
 def compute_settings(args) -> ComputeConfig:
-    """The compute config the arguments ask to sample with."""
-    return ComputeConfig(kernel=args.kernel, dtype=args.dtype or args.param_dtype, param_dtype=args.param_dtype,
+    """The compute config the arguments ask to sample with (--param_dtype auto: bfloat16 where the
+    devices compute in it natively, a GPU or TPU; float32 on a CPU)."""
+    param_dtype = args.param_dtype
+    if param_dtype == "auto":
+        param_dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return ComputeConfig(kernel=args.kernel, dtype=args.dtype or param_dtype, param_dtype=param_dtype,
                          weights=args.weights)
 
 

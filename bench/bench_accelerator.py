@@ -18,8 +18,13 @@ flops_per_token · tokens/s over the device's dense bf16 peak (PEAKS; on a CPU t
 float32 matmul peak). Sampling is `generate` of --new tokens after a 16-token prompt, greedy,
 timed after a compiling call, from the presets --sample names, with the preset's compute (its
 kernel; XLA's where that kernel cannot decode, as the row says). A variant that fails says why
-in its row and the others run.
---json appends each row to a file as it is measured.
+in its row and the others run. Sampling reads the weights in the compute dtype, cast once (as
+sample.py's --param_dtype auto does on an accelerator); --sample_weights param reads them as
+trained (float32) instead.
+--json appends each row to a file as it is measured; --sample_only skips training and samples from
+initial weights (the same tokens/s: the weights' values do not change the work); --profile DIR
+writes a jax.profiler trace of two steps of the first row, or with --sample_only of one generation
+at batch 1 (perfetto_trace.json.gz under DIR).
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def memory_gib(compiled) -> float:
             + memory.temp_size_in_bytes) / 2**30
 
 
-def train_numbers(gpt: GPT, train: TrainConfig, steps: int) -> dict:
+def train_numbers(gpt: GPT, train: TrainConfig, steps: int, profile: str | None = None) -> dict:
     batch, accum = micro_batch(gpt, train)
     cfg = gpt.cfg
     optimizer = make_optimizer(train, param_layout(gpt))
@@ -118,14 +123,35 @@ def train_numbers(gpt: GPT, train: TrainConfig, steps: int) -> dict:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    if profile:
+        with jax.profiler.trace(profile, create_perfetto_trace=True):
+            for i in range(2):
+                state, metrics = compiled(state, data, jax.random.key(100 + i))
+            jax.block_until_ready(metrics)
     tokens_per_s = batch * accum * cfg.block_size / step_s
     return {"rows": f"{batch}×{accum}", "compile_s": compile_s, "step_ms": step_s * 1e3,
             "tokens_per_s": tokens_per_s, "mfu": flops_per_token(cfg, cfg.block_size) * tokens_per_s / peak_flops()[0],
             "memory_gib": memory_gib(compiled), "params": state.params}
 
 
-def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int) -> tuple[float, str]:
-    """(tokens/s, the kernel that sampled): the model's own, else XLA's where it cannot decode."""
+def sampling_weights(gpt: GPT, params, weights: str) -> tuple[GPT, dict]:
+    """(model, params) as sampling reads them: 'compute' casts the float weights once to the compute
+    dtype (param_dtype = dtype); 'param' keeps them as trained."""
+    if weights == "param" or gpt.compute.param_dtype == gpt.compute.dtype:
+        return gpt, params
+    compute = gpt.compute.replace(param_dtype=gpt.compute.dtype)
+    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute.compute_dtype), p))
+    return GPT(gpt.cfg, compute), cast(params)
+
+
+def initial_params(gpt: GPT):
+    return jax.jit(lambda key: gpt.init(key, jax.numpy.zeros((1, gpt.cfg.block_size), "int32"))["params"])(
+        jax.random.key(0))
+
+
+def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int, profile: str | None = None) -> tuple[float, str]:
+    """(tokens/s, the kernel that sampled): the model's own, else XLA's where it cannot decode;
+    with `profile`, one more generation traced into that folder."""
     prompts = jax.random.randint(jax.random.key(3), (batch, 16), 0, gpt.cfg.vocab_size)
     for compute in (gpt.compute, gpt.compute.replace(kernel="xla")):
         def run(compute=compute):
@@ -136,17 +162,24 @@ def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int) -> tuple[float
         except Exception as error:  # noqa: BLE001 - the kernel cannot decode here: said, and XLA's samples
             print(f"sampling with kernel={compute.kernel}: {type(error).__name__}: {str(error)[:200]}", flush=True)
             continue
-        start = time.perf_counter()
-        jax.block_until_ready(run().tokens)
-        return batch * new / (time.perf_counter() - start), compute.kernel
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            jax.block_until_ready(run().tokens)
+            times.append(time.perf_counter() - start)
+        if profile:
+            with jax.profiler.trace(profile, create_perfetto_trace=True):
+                jax.block_until_ready(run().tokens)
+        return batch * new / statistics.median(times), compute.kernel
     return float("nan"), "none"
 
 
-def measured(name: str, toy: bool, kernel: str, chunk: str, steps: int, rows: int = 0) -> dict:
+def measured(name: str, toy: bool, kernel: str, chunk: str, steps: int, rows: int = 0,
+             profile: str | None = None) -> dict:
     gpt, train = preset(name, toy, kernel, chunk, rows)
     row = {"config": name, "kernel": kernel, "loss_chunk": gpt.compute.loss_chunk}
     try:
-        row.update(train_numbers(gpt, train, steps))
+        row.update(train_numbers(gpt, train, steps, profile))
     except Exception as error:  # noqa: BLE001 - one variant failing (memory, a kernel) must not end the bench
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     return row
@@ -163,6 +196,10 @@ def main(argv=None):
     parser.add_argument("--micro_batch", type=int, default=0, help="rows at once (default: as the preset fits them)")
     parser.add_argument("--new", type=int, default=None, help="sampled tokens (default 256; 16 at toy size)")
     parser.add_argument("--json", default=None, help="append each row, as JSON, to this file")
+    parser.add_argument("--sample_only", action="store_true", help="no training: sample from initial weights")
+    parser.add_argument("--sample_weights", choices=("compute", "param"), default="compute",
+                        help="sample with the weights cast once to the compute dtype (default), or as trained")
+    parser.add_argument("--profile", default=None, help="trace two steps of the first row into this folder")
     args = parser.parse_args(argv)
     toy = args.toy or jax.default_backend() == "cpu"
     kernels = (args.kernels or ("cudnn,xla" if jax.default_backend() == "gpu" else "xla")).split(",")
@@ -178,20 +215,28 @@ def main(argv=None):
 
     rows, samples = [], []
     sample = (args.sample or args.configs.split(",")[0]).split(",")
+    profile = args.profile
     for name in args.configs.split(","):
         sampled = name not in sample
         for kernel in kernels:
             for chunk in args.loss_chunks.split(","):
-                row = measured(name, toy, kernel, chunk, args.steps, args.micro_batch)
-                say(row)
-                params = row.pop("params", None)
-                rows.append(row)
+                if args.sample_only:
+                    gpt, _ = preset(name, toy, kernel, chunk)
+                    params = None if sampled else initial_params(gpt)
+                else:
+                    row = measured(name, toy, kernel, chunk, args.steps, args.micro_batch, profile)
+                    profile = None
+                    say(row)
+                    params = row.pop("params", None)
+                    rows.append(row)
                 if params is not None and not sampled:
                     sampled = True
-                    gpt, _ = preset(name, toy, kernel, chunk)
+                    gpt, params = sampling_weights(preset(name, toy, kernel, chunk)[0], params, args.sample_weights)
                     for batch in (1, 32):
-                        speed, used = sampling_tokens_per_s(gpt, params, batch, new)
-                        samples.append({"config": name, "kernel": used, "batch": batch, "tokens_per_s": speed})
+                        speed, used = sampling_tokens_per_s(gpt, params, batch, new,
+                                                            profile if args.sample_only and batch == 1 else None)
+                        samples.append({"config": name, "kernel": used, "batch": batch, "tokens_per_s": speed,
+                                        "weights": gpt.compute.param_dtype})
                         say(samples[-1])
                 del params
     print_table(("config", "attention", "loss", "rows × steps", "compile (s)", "step (ms)", "tokens/s", "MFU",
@@ -201,8 +246,9 @@ def main(argv=None):
                      f"{r['mfu']:.1%}", f"{r['memory_gib']:.2f}") if "error" not in r else
                     (r["error"], "", "", "", "", ""))) for r in rows])
     print()
-    print_table(("config", "attention", "batch", f"sampling tokens/s ({new} new)"),
-                [(s["config"], s["kernel"], str(s["batch"]), f"{s['tokens_per_s']:,.0f}") for s in samples])
+    print_table(("config", "attention", "weights", "batch", f"sampling tokens/s ({new} new)"),
+                [(s["config"], s["kernel"], s["weights"], str(s["batch"]), f"{s['tokens_per_s']:,.0f}")
+                 for s in samples])
     return rows, samples
 
 

@@ -257,6 +257,36 @@ def test_stream_gives_the_tokens_of_generate_step_by_step():
     assert len(steps) == stop + 1 and int(steps[-1].token[0]) == eos and steps[0].logprob is None
 
 
+def test_the_loop_in_chunks_gives_what_the_steps_give_one_by_one():
+    """generate takes its steps in chunks of sampling.CHUNK between looks at whether any row is
+    going; the last chunk's steps past max_new_tokens, and those after every row drew EOS,
+    change nothing: tokens, lengths and every record equal stream's, step by step."""
+    cfg = tiny()
+    params, key, new = random_params(cfg), jax.random.key(6), sampling.CHUNK + 5
+    prompt, length = padded([PROMPTS[1]])
+    options = dict(max_new_tokens=new, temperature=1.0, return_logprobs=True, top_logprobs=3, pad_id=11,
+                   prompt_lengths=length)
+
+    def check(eos):
+        whole = jax.device_get(sampling.generate(params, cfg, prompt, key[None], eos_id=eos, **options))
+        steps = list(sampling.stream(params, cfg, prompt, key[None], eos_id=eos, **options))
+        drawn = [int(step.token[0]) for step in steps]
+        assert whole.lengths[0] == length[0] + len(drawn)
+        assert list(whole.tokens[0, length[0]:whole.lengths[0]]) == drawn
+        assert (whole.tokens[0, whole.lengths[0]:] == 11).all()
+        np.testing.assert_allclose(whole.logprobs[0, :len(drawn)], [s.logprob[0] for s in steps], atol=1e-5)
+        assert (whole.logprobs[0, len(drawn):] == 0).all()
+        np.testing.assert_array_equal(whole.top_ids[0, :len(drawn)], [s.top_ids[0] for s in steps])
+        assert (whole.top_ids[0, len(drawn):] == 11).all()
+        return drawn
+
+    free = check(None)
+    assert len(free) == new
+    eos = free[sampling.CHUNK + 1]  # drawn in the second chunk: the loop stops inside it, or before
+    stopped = check(eos)
+    assert stopped == free[:free.index(eos) + 1]
+
+
 def test_each_row_gives_what_its_prompt_gives_without_the_others():
     """Sampling (τ = 1): row b of a batch with key k draws what its prompt draws in a batch
     of copies of it, each with row b's key fold_in(k, b); prompts of different lengths."""
@@ -558,6 +588,17 @@ def test_sample_py_samples_with_the_compute_settings_it_is_given(cli, capsys, ru
                                eos_id=tokenizer.eos_id, compute=compute)
     texts = [PROMPT + tokenizer.decode(new) for new in result.new_tokens()]
     assert out == f"\n{cli.DIVIDER}\n".join(texts) + "\n"
+
+
+@pytest.mark.parametrize("backend, dtype", [("cpu", "float32"), ("gpu", "bfloat16"), ("tpu", "bfloat16")])
+def test_sample_py_keeps_the_weights_in_bfloat16_where_the_devices_compute_in_it(cli, monkeypatch, backend, dtype):
+    """--param_dtype auto (the default): a GPU or TPU reads the weights in bfloat16, half the bytes of
+    each token; a CPU keeps float32. --param_dtype and --dtype given win."""
+    monkeypatch.setattr(cli.jax, "default_backend", lambda: backend)
+    compute = cli.compute_settings(cli.parse_args(["--run_dir", "run"]))
+    assert (compute.param_dtype, compute.dtype) == (dtype, dtype)
+    chosen = cli.compute_settings(cli.parse_args(["--run_dir", "run", "--param_dtype", "float32"]))
+    assert (chosen.param_dtype, chosen.dtype) == ("float32", "float32")
 
 
 def test_sample_py_with_no_prompt_draws_each_sample_from_a_new_document(cli, capsys, run_dir):

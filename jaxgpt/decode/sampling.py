@@ -275,34 +275,37 @@ def _start(params, prompts, prompt_lengths, row_keys, traced: _Traced, program: 
         uniforms=jax.vmap(lambda key: jax.random.uniform(key, (program.max_new_tokens,)))(row_keys),
         cache=start_cache(params, program.model, tokens, prompt_lengths, prompts.shape[1]),
         logprobs=jnp.zeros(records, jnp.float32),
-        top_ids=jnp.zeros((*records, k), jnp.int32) if k else None,
+        top_ids=jnp.full((*records, k), traced.pad_id, jnp.int32) if k else None,
         top_logprobs=jnp.zeros((*records, k), jnp.float32) if k else None,
     )
 
 
 def _step(params, state: _State, traced: _Traced, program: _Program):
     """Draw each active row's next token and append it; returns the new state and this
-    step's records (token, whether the row was active, logprob, top ids, top logprobs)."""
-    logits, cache = next_logits(params, program.model, state.cache, state.tokens, state.lengths, state.active,
-                                state.step)
+    step's records (token, whether the row was active, logprob, top ids, top logprobs). A step
+    past max_new_tokens (the end of the loop's last chunk) has no active row: it changes
+    nothing but the cache's slot of each row's last token, which it writes again."""
+    active = state.active & (state.step < program.max_new_tokens)
+    logits, cache = next_logits(params, program.model, state.cache, state.tokens, state.lengths, active, state.step)
     state = state.replace(cache=cache)
     top_p = traced.top_p if program.use_top_p else None
     draw = jax.vmap(lambda u, row: sample_at(u, row, traced.temperature, program.top_k, top_p))
-    active = state.active
-    token = jnp.where(active, draw(state.uniforms[:, state.step], logits), traced.pad_id)
+    step = jnp.minimum(state.step, program.max_new_tokens - 1)  # a masked step's draw is not used
+    token = jnp.where(active, draw(state.uniforms[:, step], logits), traced.pad_id)
     rows = jnp.arange(token.shape[0])
     tokens = state.tokens.at[rows, state.lengths].set(token, mode="drop")
 
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     logprob = jnp.where(active, jnp.take_along_axis(log_probs, token[:, None], axis=1)[:, 0], 0.0)
-    records = {"logprobs": state.logprobs.at[:, state.step].set(logprob)}
+    column = state.step  # past max_new_tokens (a masked step) no column: its writes are dropped
+    records = {"logprobs": state.logprobs.at[:, column].set(logprob, mode="drop")}
     top_ids = top_logprobs = None
     if program.top_logprobs:
         values, ids = jax.lax.top_k(log_probs, program.top_logprobs)
         top_ids = jnp.where(active[:, None], ids, traced.pad_id)
         top_logprobs = jnp.where(active[:, None], values, 0.0)
-        records["top_ids"] = state.top_ids.at[:, state.step].set(top_ids)
-        records["top_logprobs"] = state.top_logprobs.at[:, state.step].set(top_logprobs)
+        records["top_ids"] = state.top_ids.at[:, column].set(top_ids, mode="drop")
+        records["top_logprobs"] = state.top_logprobs.at[:, column].set(top_logprobs, mode="drop")
 
     state = state.replace(
         step=state.step + 1,
@@ -318,10 +321,23 @@ def _going(state: _State, program: _Program):
     return (state.step < program.max_new_tokens) & jnp.any(state.active)
 
 
+# The steps the decoding loop takes between two looks at whether any row is still going. A
+# loop whose end depends on values (EOS) makes the host wait for the device at each look
+# (on a GPU, the body's launch waits for the predicate's copy); steps of a fixed count run
+# without. The last chunk's steps past max_new_tokens, or after every row stopped, change nothing.
+CHUNK = 16
+
+
+def _chunk(params, state: _State, traced: _Traced, program: _Program) -> _State:
+    """min(CHUNK, max_new_tokens) steps, a loop of known trip count."""
+    steps = min(CHUNK, program.max_new_tokens)
+    return jax.lax.fori_loop(0, steps, lambda _, s: _step(params, s, traced, program)[0], state)
+
+
 @jax.jit(static_argnames="program")
 def _generate_program(params, prompts, prompt_lengths, row_keys, traced: _Traced, program: _Program) -> Generation:
     state = _start(params, prompts, prompt_lengths, row_keys, traced, program)
-    state = jax.lax.while_loop(lambda s: _going(s, program), lambda s: _step(params, s, traced, program)[0], state)
+    state = jax.lax.while_loop(lambda s: _going(s, program), lambda s: _chunk(params, s, traced, program), state)
     return Generation(tokens=state.tokens, lengths=state.lengths, prompt_lengths=prompt_lengths,
                       logprobs=state.logprobs, top_ids=state.top_ids, top_logprobs=state.top_logprobs)
 
