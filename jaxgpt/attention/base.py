@@ -39,6 +39,13 @@ class Where(NamedTuple):
         """The keys are the queries' own tokens (no cache): key s sits where query s does."""
         return self.k_positions is self.q_positions
 
+    def causal_by_index(self) -> bool:
+        """The mask is M[t, s] = [s ≤ t], causal by index: the keys are the queries' own tokens, one
+        example a row (no segments) and no window. A row's positions count up by one (0…T−1, or an
+        example's as jaxgpt.data.packing gives them), so the mask by position is this one; a fused
+        kernel told so skips the blocks above the diagonal instead of reading a (T, T) mask."""
+        return self.keys_are_queries() and self.q_segments is None and self.window is None
+
     def queries(self, start: int, end: int, keys_end: int) -> Where:
         """Queries start…end−1 against keys 0…keys_end−1."""
         segments = (None, None) if self.q_segments is None else (
