@@ -5,6 +5,7 @@ sampling tokens/s at batch 1 and 32.
     python bench/bench_accelerator.py        # configs/gpt2_124m.py and speedrun_gpt2.py, on the default device
     python bench/bench_accelerator.py --configs gpt2_124m --kernels cudnn --loss_chunks preset
     python bench/bench_accelerator.py --toy  # toy sizes of the same models (the default on a CPU): a smoke test
+    python bench/bench_accelerator.py --configs gpt2_124m --kernels cudnn --fp8 mlp,unembed   # FP8 matmuls
 
 Each row is one preset as shipped on this device: its model (block 1024, bf16 compute, float32
 parameters), its optimizer (AdamW; Muon for the speedrun), and its rows per step (512) taken
@@ -21,6 +22,9 @@ kernel; XLA's where that kernel cannot decode, as the row says). A variant that 
 in its row and the others run. Sampling reads the weights in the compute dtype, cast once (as
 sample.py's --param_dtype auto does on an accelerator); --sample_weights param reads them as
 trained (float32) instead.
+--fp8 NAMES runs every row with compute.fp8=NAMES (the weight matmuls it names in FP8: mlp,
+attention, unembed; an NVIDIA GPU of compute capability ≥ 8.9 computes them on its FP8 units, a
+CPU emulates them), shown in the rows and the tables.
 --json appends each row to a file as it is measured; --sample_only skips training and samples from
 initial weights (the same tokens/s: the weights' values do not change the work); --profile DIR
 writes a jax.profiler trace of two steps of the first row, or with --sample_only of one generation
@@ -70,12 +74,14 @@ def peak_flops() -> tuple[float, str]:
     return next((peak for name, peak in PEAKS.items() if kind.startswith(name)), float("nan")), kind
 
 
-def preset(name: str, toy: bool, kernel: str, chunk: str, rows: int = 0):
-    """(model, train config) of configs/NAME.py as it runs here with `kernel` and `chunk`."""
+def preset(name: str, toy: bool, kernel: str, chunk: str, rows: int = 0, fp8: str = "", matmul: str = "auto"):
+    """(model, train config) of configs/NAME.py as it runs here with `kernel`, `chunk`, compute.fp8=`fp8` and
+    compute.matmul=`matmul`."""
     config = load_config(ROOT / "configs" / f"{name}.py")
     cfg = GPTConfig.from_dict(dict(config.model))
     loss_chunk = (TOY_CHUNK if toy else config.compute.loss_chunk) if chunk == "preset" else int(chunk)
-    compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel, "loss_chunk": loss_chunk})
+    compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel, "loss_chunk": loss_chunk, "fp8": fp8,
+                                       "matmul": matmul})
     train = TrainConfig.from_mapping({**config.train, "rows_per_step": TOY_ROWS if toy else config.train.rows_per_step,
                                       "batch_size": rows})
     if toy:  # the preset's techniques kept, at a size two layers and 256 tokens hold
@@ -175,9 +181,9 @@ def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int, profile: str |
 
 
 def measured(name: str, toy: bool, kernel: str, chunk: str, steps: int, rows: int = 0,
-             profile: str | None = None) -> dict:
-    gpt, train = preset(name, toy, kernel, chunk, rows)
-    row = {"config": name, "kernel": kernel, "loss_chunk": gpt.compute.loss_chunk}
+             profile: str | None = None, fp8: str = "") -> dict:
+    gpt, train = preset(name, toy, kernel, chunk, rows, fp8)
+    row = {"config": name, "kernel": kernel, "loss_chunk": gpt.compute.loss_chunk, "fp8": fp8}
     try:
         row.update(train_numbers(gpt, train, steps, profile))
     except Exception as error:  # noqa: BLE001 - one variant failing (memory, a kernel) must not end the bench
@@ -200,12 +206,17 @@ def main(argv=None):
     parser.add_argument("--sample_weights", choices=("compute", "param"), default="compute",
                         help="sample with the weights cast once to the compute dtype (default), or as trained")
     parser.add_argument("--profile", default=None, help="trace two steps of the first row into this folder")
+    parser.add_argument("--matmul", default="auto", help="compute.matmul (auto: a GPU decodes few rows as a GEMM)")
+    parser.add_argument("--fp8", default="", metavar="NAMES",
+                        help="compute.fp8 of every row: the weight matmuls in FP8 (of mlp,attention,unembed)")
     args = parser.parse_args(argv)
     toy = args.toy or jax.default_backend() == "cpu"
     kernels = (args.kernels or ("cudnn,xla" if jax.default_backend() == "gpu" else "xla")).split(",")
     new = args.new or (16 if toy else 256)
     _, device = peak_flops()
-    print(f"{device}; {'toy sizes' if toy else 'the presets'}, bf16 compute, median of {args.steps} steps", flush=True)
+    fp8 = f", FP8 matmuls: {args.fp8}" if args.fp8 else ""
+    print(f"{device}; {'toy sizes' if toy else 'the presets'}, bf16 compute{fp8}, median of {args.steps} steps",
+          flush=True)
 
     def say(row):
         print(json.dumps({k: v for k, v in row.items() if k != "params"}), flush=True)
@@ -221,33 +232,36 @@ def main(argv=None):
         for kernel in kernels:
             for chunk in args.loss_chunks.split(","):
                 if args.sample_only:
-                    gpt, _ = preset(name, toy, kernel, chunk)
+                    gpt, _ = preset(name, toy, kernel, chunk, fp8=args.fp8, matmul=args.matmul)
                     params = None if sampled else initial_params(gpt)
                 else:
-                    row = measured(name, toy, kernel, chunk, args.steps, args.micro_batch, profile)
+                    row = measured(name, toy, kernel, chunk, args.steps, args.micro_batch, profile, args.fp8)
                     profile = None
                     say(row)
                     params = row.pop("params", None)
                     rows.append(row)
                 if params is not None and not sampled:
                     sampled = True
-                    gpt, params = sampling_weights(preset(name, toy, kernel, chunk)[0], params, args.sample_weights)
+                    model = preset(name, toy, kernel, chunk, fp8=args.fp8, matmul=args.matmul)[0]
+                    gpt, params = sampling_weights(model, params, args.sample_weights)
                     for batch in (1, 32):
                         speed, used = sampling_tokens_per_s(gpt, params, batch, new,
                                                             profile if args.sample_only and batch == 1 else None)
                         samples.append({"config": name, "kernel": used, "batch": batch, "tokens_per_s": speed,
-                                        "weights": gpt.compute.param_dtype})
+                                        "weights": gpt.compute.param_dtype, "fp8": args.fp8, "matmul": args.matmul})
                         say(samples[-1])
                 del params
-    print_table(("config", "attention", "loss", "rows × steps", "compile (s)", "step (ms)", "tokens/s", "MFU",
+    print_table(("config", "attention", "loss", "fp8", "rows × steps", "compile (s)", "step (ms)", "tokens/s", "MFU",
                  "memory (GiB)"),
                 [(r["config"], r["kernel"], f"chunks of {r['loss_chunk']}" if r["loss_chunk"] else "whole",
+                  r["fp8"] or "none",
                   *((r["rows"], f"{r['compile_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
                      f"{r['mfu']:.1%}", f"{r['memory_gib']:.2f}") if "error" not in r else
                     (r["error"], "", "", "", "", ""))) for r in rows])
     print()
-    print_table(("config", "attention", "weights", "batch", f"sampling tokens/s ({new} new)"),
-                [(s["config"], s["kernel"], s["weights"], str(s["batch"]), f"{s['tokens_per_s']:,.0f}")
+    print_table(("config", "attention", "weights", "fp8", "matmul", "batch", f"sampling tokens/s ({new} new)"),
+                [(s["config"], s["kernel"], s["weights"], s["fp8"] or "none", s["matmul"], str(s["batch"]),
+                  f"{s['tokens_per_s']:,.0f}")
                  for s in samples])
     return rows, samples
 

@@ -94,7 +94,8 @@ def decoding_loop(hlo: str) -> tuple[str, bool]:
     return re.search(r"body=%?([\w.\-]+)", line)[1], "known_trip_count" in line
 
 
-def compile_generate(config_name: str, topology: str, batch: int, new: int, weights: str, kernel: str):
+def compile_generate(config_name: str, topology: str, batch: int, new: int, weights: str, kernel: str,
+                     matmul: str = "auto"):
     """generate's compiled program for `batch` one-token prompts and `new` new tokens (greedy)."""
     from jaxgpt.compile import topology_devices
 
@@ -113,7 +114,8 @@ def compile_generate(config_name: str, topology: str, batch: int, new: int, weig
     config = load_config(ROOT / "configs" / f"{config_name}.py")
     cfg = GPTConfig.from_dict(dict(config.model))
     dtype = config.compute.dtype if weights == "compute" else config.compute.param_dtype
-    compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel, "param_dtype": dtype, "loss_chunk": 0})
+    compute = ComputeConfig.from_dict({**config.compute, "kernel": kernel, "param_dtype": dtype, "loss_chunk": 0,
+                                       "matmul": matmul})
     gpt = GPT(cfg, compute)
     mesh = Mesh(np.array((devices or jax.devices())[:1]), ("data",))
     whole = NamedSharding(mesh, PartitionSpec())
@@ -137,15 +139,17 @@ def main(argv=None):
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--weights", default="compute,param", help="compute: cast to the compute dtype; param: as kept")
     parser.add_argument("--kernel", default="xla")
+    parser.add_argument("--matmul", default="auto,xla", help="compute.matmul forms (auto: a GPU's pads few rows)")
     parser.add_argument("--hlo", default=None, help="write the first program's HLO here")
     args = parser.parse_args(argv)
     from table import print_table
 
     rows = []
     for name in args.configs.split(","):
-        for weights in args.weights.split(","):
+        for weights, matmul in ((w, m) for w in args.weights.split(",") for m in args.matmul.split(",")):
             for batch in (int(b) for b in args.batch.split(",")):
-                compiled, weight_bytes = compile_generate(name, args.topology, batch, args.new, weights, args.kernel)
+                compiled, weight_bytes = compile_generate(name, args.topology, batch, args.new, weights, args.kernel,
+                                                          matmul)
                 hlo = compiled.as_text()
                 if args.hlo:
                     Path(args.hlo).write_text(hlo)
@@ -154,11 +158,11 @@ def main(argv=None):
                 count = kernels(computations(hlo), body)
                 launches = sum(v for k, v in count.items() if k not in ("while", "conditional", "call"))
                 rest = ", ".join(f"{k} {v}" for k, v in count.most_common() if k not in ("fusion", "gemm"))
-                rows.append((name, weights, str(batch), str(launches), str(count["fusion"]), str(count["gemm"]),
+                rows.append((name, weights, matmul, str(batch), str(launches), str(count["fusion"]), str(count["gemm"]),
                              rest, "yes" if known else "no", f"{weight_bytes / 2**20:,.0f}"))
     print(f"generate's decoding loop compiled for {args.topology}, {args.new} new tokens, kernel={args.kernel}")
-    print_table(("config", "weights", "batch", "launches/token", "fusions", "GEMMs", "other", "trip count known",
-                 "weights (MiB)"), rows)
+    print_table(("config", "weights", "matmul", "batch", "launches/token", "fusions", "GEMMs", "other",
+                 "trip count known", "weights (MiB)"), rows)
     return rows
 
 

@@ -164,7 +164,7 @@ class CausalSelfAttention(nn.Module):
 
     def project(self, x):
         """Q (B, T, H, D), K and V (B, T, H_kv, D)."""
-        cfg, compute, Dense = self.cfg, self.compute, dense(self.compute)
+        cfg, compute, Dense = self.cfg, self.compute.for_matmul("attention"), dense(self.compute)
         if cfg.n_kv_head == cfg.n_head:
             qkv = Dense((3, cfg.n_head, cfg.head_dim), ("embed", "qkv", "heads", "head_dim"), cfg, compute,
                         use_bias=cfg.bias, name="c_attn")(x)
@@ -202,7 +202,8 @@ class CausalSelfAttention(nn.Module):
         context, layer_cache = FORMS[cfg.attention].attend(
             cfg, KERNELS[self.kernel(where, deterministic)], q, k, v, where, layer_cache,
             lambda w: scheme.bias(cfg, w), on_weights)
-        out = dense(self.compute)((cfg.d_model,), ("heads", "head_dim", "embed"), cfg, self.compute, n_in=2,
+        out = dense(self.compute)((cfg.d_model,), ("heads", "head_dim", "embed"), cfg,
+                                  self.compute.for_matmul("attention"), n_in=2,
                                   use_bias=cfg.bias, residual=True, zero_init=cfg.zero_init_out, name="c_proj")
         return out(context), layer_cache
 
@@ -219,7 +220,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, deterministic=True):
-        cfg, compute, Dense = self.cfg, self.compute, dense(self.compute)
+        cfg, compute, Dense = self.cfg, self.compute.for_matmul("mlp"), dense(self.compute)
         act, drop = ops.ACTIVATIONS[cfg.activation], Dropout(cfg.ffn_dropout)
         width = cfg.d_ff * (2 if cfg.activation in ops.GATED_ACTIVATIONS else 1)
         h = drop(act(Dense((width,), ("embed", "mlp"), cfg, compute, use_bias=cfg.bias, name="c_fc")(x)),
@@ -379,8 +380,9 @@ class GPT(nn.Module):
 def unembed(cfg: GPTConfig, compute: ComputeConfig, head: dict, x):
     """logits = x W_U (+ b_U), float32, soft-capped to c·tanh(logits/c) with logit_softcap = c, for
     x (..., d) the final norm's output and head the unembedding's weights (GPT.unembedding): the one
-    place logits are made, for the whole batch (GPT) or a chunk of its tokens (the chunked loss)."""
-    logits = dense(compute).product(head, rows_split(x).astype(compute.compute_dtype), compute)
+    place logits are made, for the whole batch (GPT) or a chunk of its tokens (the chunked loss); in
+    FP8 where compute.fp8 names "unembed"."""
+    logits = dense(compute).product(head, rows_split(x).astype(compute.compute_dtype), compute.for_matmul("unembed"))
     if "bias" in head:  # b_U
         logits = logits + head["bias"]
     logits = logits.astype(jnp.float32)

@@ -30,6 +30,9 @@ INITS = ("gpt2", "he", "small")
 # where their entries are defined, checked where a config is opened (jaxgpt.registries).
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 WEIGHTS = ("float", "int8")  # how the weight matrices are stored: in param_dtype, or int8 with scales
+# the weight matmuls compute.fp8 may name: the MLP's (c_fc…, c_proj), the attention's (c_attn or q_proj and
+# kv_proj, c_proj) and the unembedding (model.unembed: the whole logits and the chunked loss's)
+FP8_MATMULS = ("mlp", "attention", "unembed")
 # the compute section's keys that older run directories kept in the model section, and the
 # kernels they named in model.attention
 COMPUTE_KEYS = ("dtype", "param_dtype", "remat", "scan_layers")
@@ -227,11 +230,17 @@ class ComputeConfig:
       the likelihoods read the targets' log-probabilities chunk by chunk too.
     matmul: the form of the weight matrices' products (jaxgpt.platforms.forms.MATMULS): xla = XLA's own
       product and gradient; cpu = 2-D matmuls with a hand-written backward (int8 weights: a chunk
-      of rows at a time), measured faster on a CPU; auto = cpu on a CPU and xla elsewhere,
-      chosen when the program is lowered for its devices.
+      of rows at a time), measured faster on a CPU; gpu = XLA's, with a product of fewer than 8
+      rows (decoding) padded to 8 so that a GPU computes it as a GEMM; auto = cpu on a CPU, gpu on
+      a CUDA GPU and xla elsewhere, chosen when the program is lowered for its devices.
     rope: the form of RoPE's rotation (forms.ROPES): pairs = ops.rope on the (…, D/2, 2) pairs;
       lanes = over the whole last axis (a TPU lays out an axis of 2 as 128 lanes); auto = pairs
       on a CPU and lanes elsewhere, chosen when the program is lowered.
+    fp8: the weight matmuls computed in FP8 (forms.fp8_matmul: e4m3 operands, an e5m2 gradient, each
+      scaled by its current max|·|), a comma-separated string of FP8_MATMULS ("" none): "mlp",
+      "attention", "unembed". The params stay as they are; each named matmul runs in the form
+      for_matmul gives it. It needs FP8 matrix units (an NVIDIA GPU of compute capability ≥ 8.9),
+      checked where a run opens (jaxgpt.train.opening.compute_config); int8 weights refuse it.
     """
 
     kernel: str = "explicit"
@@ -243,6 +252,7 @@ class ComputeConfig:
     loss_chunk: int = 0
     matmul: str = "auto"
     rope: str = "auto"
+    fp8: str = ""
 
     def __post_init__(self):
         if not isinstance(self.kernel, str):
@@ -258,6 +268,32 @@ class ComputeConfig:
             check_choice("ComputeConfig", name, getattr(self, name), DTYPES)
         for name in ("remat", "scan_layers"):
             _check_bool("ComputeConfig", name, getattr(self, name))
+        self._check_fp8()
+
+    def _check_fp8(self):
+        """fp8 names weight matmuls (FP8_MATMULS), comma-separated, of float weights."""
+        if not isinstance(self.fp8, str):
+            raise ValueError(f"ComputeConfig.fp8={self.fp8!r}: must be a comma-separated string of "
+                             f"{', '.join(FP8_MATMULS)} ('' for none)")
+        unknown = [name for name in self.fp8_matmuls if name not in FP8_MATMULS]
+        if unknown:
+            raise ValueError(f"ComputeConfig.fp8={self.fp8!r}: {', '.join(map(repr, unknown))} is no weight matmul; "
+                             f"name any of {', '.join(FP8_MATMULS)}, comma-separated ('' for none)")
+        if self.fp8_matmuls and self.weights != "float":
+            raise ValueError(f"ComputeConfig.fp8={self.fp8!r} with weights={self.weights!r}: FP8 matmuls quantise "
+                             "float weights as they run; set compute.fp8='' for int8 weights, or weights='float'")
+
+    @property
+    def fp8_matmuls(self) -> tuple[str, ...]:
+        """The weight matmuls fp8 names, in its order."""
+        return tuple(name.strip() for name in self.fp8.split(",") if name.strip())
+
+    def for_matmul(self, name: str) -> ComputeConfig:
+        """The compute config the weight matmul `name` (one of FP8_MATMULS) runs with: matmul='fp8'
+        (jaxgpt.platforms.forms.fp8_matmul) where fp8 names it, else this one."""
+        if name not in FP8_MATMULS:
+            raise ValueError(f"ComputeConfig.for_matmul({name!r}): the weight matmuls are {', '.join(FP8_MATMULS)}")
+        return self.replace(matmul="fp8") if name in self.fp8_matmuls else self
 
     @property
     def compute_dtype(self):

@@ -74,7 +74,9 @@ def test_target_description_is_the_gpus_figures():
     text = gpus.target_config(gpus.GPUS["a100"])
     assert "cuda_compute_capability { major: 8 minor: 0 }" in text and "core_count: 108" in text
     assert f"device_memory_size: {81920 * 2**20}" in text and 'device_description_str: "NVIDIA A100-SXM4-80GB"' in text
-    assert text.count("{") == text.count("}") == 3  # gpu_device_info, its compute capability, dnn_version_info
+    assert "runtime_version { major: 12" in text  # a CUDA runtime: what XLA may call (FP8 GEMMs need 12.0)
+    # gpu_device_info, its compute capability, dnn_version_info, runtime_version
+    assert text.count("{") == text.count("}") == 4
 
 
 @pytest.mark.parametrize("value,fraction", [(None, 0.75), ("0.9", 0.9), ("2", 0.75), ("most", 0.75)])

@@ -64,6 +64,16 @@ def test_every_matmul_form_and_its_gradients(rng, shape, form):
     np.testing.assert_allclose(np.asarray(dw), x.reshape(-1, shape[-1]).T @ g.reshape(-1, 3), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_product_of_few_rows_is_a_gemm_of_eight_in_a_program_lowered_for_a_gpu(platform):
+    """auto on a CUDA GPU pads a product of fewer than GEMM_ROWS rows (a token decoded at batch 1) to
+    GEMM_ROWS rows; a CPU's and a TPU's programs multiply the row itself."""
+    product = jax.jit(lambda x, w: forms.linear(x, w))
+    program = product.trace(jnp.ones((1, 1, 16)), jnp.ones((16, 32))).lower(lowering_platforms=(platform,))
+    rows = f"tensor<{forms.GEMM_ROWS}x16xf32>"
+    assert (rows in program.as_text()) == (platform == "cuda")
+
+
 # (lhs shape, rhs shape, dimension numbers): the plain contractions y = x W that a CPU
 # computes with its own gradient, and others that go to jax.lax.dot_general everywhere
 DOT_GENERAL_CASES = [
@@ -172,7 +182,7 @@ def test_each_form_the_compute_config_names_computes_the_models_function():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("key, valid", [("matmul", "xla, cpu, auto"), ("rope", "pairs, lanes, auto")])
+@pytest.mark.parametrize("key, valid", [("matmul", "xla, cpu, gpu, auto"), ("rope", "pairs, lanes, auto")])
 def test_a_form_that_does_not_exist_is_refused_in_one_line(key, valid):
     """By the compute section's opening and by the model made with it (registries.check_compute); a value
     that is no name at all by the schema."""

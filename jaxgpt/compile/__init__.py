@@ -202,8 +202,9 @@ def compile_programs(config, devices=None, generate: bool = True) -> tuple[Any, 
 
     mesh = sharding.make_mesh(config.mesh, devices)
     platform = mesh.devices.flat[0].platform
-    cfg, compute = model_of(config), opening.compute_config(config, platform)
-    chip = chip_of(list(mesh.devices.flat))[1]
+    name, chip = chip_of(list(mesh.devices.flat))
+    capability = gpus.GPUS[name].compute_capability if name in gpus.GPUS else None  # a GPU target's: FP8 or not
+    cfg, compute = model_of(config), opening.compute_config(config, platform, capability)
     config = micro_batch.resolved(config, mesh, cfg, compute, chip.hbm if chip else None)
     train_cfg = open_train(config.train)
     preflight.check_batch_sizes(train_cfg, mesh)

@@ -47,6 +47,9 @@ GPUS = {
 }
 SHAPES = ("1", "2", "4", "8", "2x8", "4x8", "8x8", "16x8")  # GPUs on one host, or hosts x GPUs per host
 CUDNN_OLDEST = (9, 8)  # the oldest cuDNN JAX's CUDA plugin accepts (jax-cuda12-plugin's requirement)
+# the CUDA runtime the target is described with: XLA decides by it what it may call (cuBLASLt's FP8 GEMMs need 12.0;
+# without one it compiles for CUDA 0 and rewrites no FP8 product); 12.9 is the gpu extra's ptxas
+CUDA_RUNTIME = (12, 9)
 INSTALL = "pip install -e '.[gpu]'"
 
 
@@ -94,5 +97,6 @@ def target_config(gpu: Gpu) -> str:
              f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}",
              'platform_name: "CUDA"',
              f"dnn_version_info {{ major: {CUDNN_OLDEST[0]} minor: {CUDNN_OLDEST[1]} }}",
+             f"runtime_version {{ major: {CUDA_RUNTIME[0]} minor: {CUDA_RUNTIME[1]} }}",
              f'device_description_str: "{gpu.device_kind}"']
     return "\n".join(lines) + "\n"

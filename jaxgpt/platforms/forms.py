@@ -2,15 +2,19 @@
 way because one backend measured faster so (docs/ARCHITECTURE.md, "Backends").
 
     linear(x, w, form)                y = x W (ops.linear): 'xla' XLA's own product and gradient;
-                                      'cpu' 2-D matmuls with a hand-written backward
+                                      'cpu' 2-D matmuls with a hand-written backward; 'gpu' few
+                                      rows padded to a GEMM's (decoding); 'fp8' the
+                                      operands and the gradient in FP8 with current scaling (fp8_matmul)
     int8_product(x, q, form)          Y = x qᵀ of int8 weights (jaxgpt.quantize.layers): 'xla' one
                                       product; 'cpu' a chunk of rows at a time
     rope(x, positions, base, form)    ops.rope: 'pairs' (ops.rope itself); 'lanes' over the whole last axis
 
-The compute config chooses a form by name (compute.matmul: MATMULS; compute.rope: ROPES). AUTO
-is the form measured faster on a CPU there and XLA's (for RoPE: the lanes) elsewhere, chosen when
-the program is lowered (jax.lax.platform_dependent): a program lowered for a GPU or TPU, even on
-a CPU host, never holds a CPU form. No other backend has been measured, so the others use XLA's.
+The compute config chooses a form by name (compute.matmul: MATMULS; compute.rope: ROPES); 'fp8' is
+no platform's own but an approximation, chosen per call site by compute.fp8
+(ComputeConfig.for_matmul). AUTO is the form measured faster on each platform: on a CPU its own, on a
+CUDA GPU the product of few rows as a GEMM ('gpu'), elsewhere XLA's (for RoPE: the lanes), chosen
+when the program is lowered (jax.lax.platform_dependent): a program lowered for a GPU or TPU, even
+on a CPU host, never holds a CPU form.
 """
 
 from __future__ import annotations
@@ -48,14 +52,49 @@ def plain(lhs, dimension_numbers) -> bool:
             and tuple(rhs_contract) == tuple(range(k)))
 
 
-# compute.matmul's forms (the float product's and the int8 product's)
-DOT_GENERALS = {"xla": jax.lax.dot_general, "cpu": cpu_dot_general}
-MATMULS = tuple(DOT_GENERALS)
+def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """jax.lax.dot_general, and for the plain contraction y = x W `fp8_matmul` of the two flattened
+    to matrices, in preferred_element_type (default: lhs's dtype)."""
+    if not plain(lhs, dimension_numbers):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    k = len(dimension_numbers[0][0])
+    rows, inner = lhs.shape[:lhs.ndim - k], lhs.shape[lhs.ndim - k:]
+    x = lhs.reshape(math.prod(rows), math.prod(inner))
+    w = rhs.reshape(math.prod(inner), math.prod(rhs.shape[k:]))
+    y = fp8_matmul(x, w).reshape(*rows, *rhs.shape[k:])
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+
+# A GPU's product of few rows: XLA turns a dot of one row (decoding at batch 1) into a multiply and a
+# reduction over W, which on an H100 read GPT-2 small's weight matrices at 0.5–0.7 TB/s of its 3.35
+# (bench/bench_decode_kernels.py, docs/SCALE.md "Generation on a GPU"); for GEMM_ROWS rows it keeps a GEMM.
+GEMM_ROWS = 8
+
+
+def gpu_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """jax.lax.dot_general, with the plain contraction y = x W of fewer than GEMM_ROWS rows computed
+    on x's rows padded with zeros to GEMM_ROWS, the padding's rows of y then dropped: the same
+    values, as a GEMM."""
+    k = len(dimension_numbers[0][0])
+    rows = math.prod(lhs.shape[:lhs.ndim - k])
+    if not plain(lhs, dimension_numbers) or rows >= GEMM_ROWS:
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    x = jnp.pad(lhs.reshape(rows, -1), ((0, GEMM_ROWS - rows), (0, 0)))
+    w = rhs.reshape(x.shape[1], -1)
+    y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision, preferred_element_type)
+    return y[:rows].reshape(*lhs.shape[:lhs.ndim - k], *rhs.shape[k:])
+
+
+# the forms of the float product: compute.matmul names 'xla', 'cpu' or 'gpu' (MATMULS, which the int8
+# product has too); 'fp8' is what ComputeConfig.for_matmul gives the matmuls compute.fp8 names
+DOT_GENERALS = {"xla": jax.lax.dot_general, "cpu": cpu_dot_general, "gpu": gpu_dot_general, "fp8": fp8_dot_general}
+MATMULS = ("xla", "cpu", "gpu")
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, form: str = AUTO):
-    """jax.lax.dot_general in compute.matmul's `form` (MATMULS, or AUTO: 'cpu' on a CPU, 'xla'
-    elsewhere, chosen when the program is lowered). Only the plain contraction has a CPU form."""
+    """jax.lax.dot_general in compute.matmul's `form` (DOT_GENERALS, or AUTO: 'cpu' on a CPU, 'gpu' on
+    a CUDA GPU, 'xla' elsewhere, chosen when the program is lowered). Only the plain contraction has a
+    CPU, GPU or FP8 form."""
     options = dict(dimension_numbers=dimension_numbers, precision=precision,
                    preferred_element_type=preferred_element_type)
     chosen = {name: functools.partial(fn, **options) for name, fn in DOT_GENERALS.items()}
@@ -63,7 +102,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         return chosen[form](lhs, rhs)
     if not plain(lhs, dimension_numbers):
         return chosen["xla"](lhs, rhs)
-    return jax.lax.platform_dependent(lhs, rhs, cpu=chosen["cpu"], default=chosen["xla"])
+    return jax.lax.platform_dependent(lhs, rhs, cpu=chosen["cpu"], cuda=chosen["gpu"], default=chosen["xla"])
 
 
 def linear(x, w, form: str = AUTO):
@@ -98,6 +137,68 @@ def _cpu_matmul_backward(precision, preferred_element_type, residuals, dy):
 
 
 cpu_matmul.defvjp(_cpu_matmul_forward, _cpu_matmul_backward)
+
+# --- the weight matrices' product in FP8 -----------------------------------------------------------
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2  # the operands' format, and the gradient's (a wider range)
+
+
+def fp8_scale(a, dtype):
+    """s = max|a| / F, float32, F the largest finite value of the FP8 `dtype` (e4m3: 448, e5m2:
+    57344), so that a / s fills its range; 1 for an all-zero a (nothing to scale)."""
+    amax = jnp.max(jnp.abs(a)).astype(jnp.float32)
+    s = amax / float(jnp.finfo(dtype).max)
+    return jnp.where(s > 0, s, jnp.float32(1))
+
+
+def fp8_quantize(a, dtype):
+    """(a_q, s): a_q = a / s rounded to the nearest value of the FP8 `dtype`, s = fp8_scale(a): a ≈ a_q·s."""
+    s = fp8_scale(a, dtype)
+    return (a.astype(jnp.float32) / s).astype(dtype), s
+
+
+def fp8_product(a_q, s_a, b_q, s_b, dimension_numbers, dtype):
+    """(a_q·s_a)(b_q·s_b) contracted as `dimension_numbers`, in `dtype`: the FP8 operands multiplied
+    with float32 accumulation, then the product of the two scales (scalars, so it is the same
+    product). The operands go to the dot as FP8 arrays, which XLA's GPU compiler makes one FP8 GEMM
+    on Hopper and Ada (a Triton GEMM or cuBLASLt's, the scales applied in its epilogue); XLA 0.10.2
+    compiles the dequantised form (a_q·s_a as a wider array, then the dot) into a Triton GEMM of the
+    wider arrays instead. Elsewhere XLA widens the operands: the same values, computed in float32."""
+    y = jax.lax.dot_general(a_q, b_q, dimension_numbers, preferred_element_type=jnp.float32)
+    return (y * (s_a * s_b)).astype(dtype)
+
+
+def fp8_matmul(x, w):
+    """Y = (X_q s_X)(W_q s_W) ≈ X W for X (N, n), W (n, m), in X's dtype, with current per-tensor
+    scaling (fp8_quantize): X_q = round_e4m3(X / s_X), s_X = max|X| / 448, W_q likewise; nothing is
+    kept between steps. Backward, the incoming dY is quantised to e5m2 with its own scale,
+    dY_q = round_e5m2(dY / s_dY), s_dY = max|dY| / 57344, and
+        ∂L/∂X = (dY_q s_dY)(W_q s_W)ᵀ   (e5m2 × e4m3),   ∂L/∂W = (X_q s_X)ᵀ(dY_q s_dY)   (e4m3 × e5m2),
+    each with float32 accumulation, in X's and W's dtypes (a GPU's FP8 GEMM takes e4m3 × e5m2, never
+    e5m2 × e5m2)."""
+    return _fp8_matmul(x, w, (jnp.dtype(x.dtype), jnp.dtype(w.dtype)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_matmul(x, w, dtypes):
+    return _fp8_matmul_forward(x, w, dtypes)[0]
+
+
+def _fp8_matmul_forward(x, w, dtypes):
+    """Y, and what the backward keeps: the quantised X and W (a byte an element) and their scales."""
+    (x_q, s_x), (w_q, s_w) = fp8_quantize(x, E4M3), fp8_quantize(w, E4M3)
+    return fp8_product(x_q, s_x, w_q, s_w, (((1,), (0,)), ((), ())), dtypes[0]), (x_q, s_x, w_q, s_w)
+
+
+def _fp8_matmul_backward(dtypes, residuals, dy):
+    x_q, s_x, w_q, s_w = residuals
+    dy_q, s_dy = fp8_quantize(dy, E5M2)
+    dx = fp8_product(dy_q, s_dy, w_q, s_w, (((1,), (1,)), ((), ())), dtypes[0])  # dY Wᵀ
+    dw = fp8_product(x_q, s_x, dy_q, s_dy, (((0,), (0,)), ((), ())), dtypes[1])  # Xᵀ dY
+    return dx, dw
+
+
+_fp8_matmul.defvjp(_fp8_matmul_forward, _fp8_matmul_backward)
 
 # --- the int8 weights' product ----------------------------------------------------------------
 
@@ -134,7 +235,7 @@ def int8_product_cpu(x, q):
     return jax.lax.fori_loop(0, -(-m // step), chunk_product, jnp.zeros((x.shape[0], m), jnp.float32))
 
 
-INT8_PRODUCTS = {"xla": int8_product_xla, "cpu": int8_product_cpu}  # MATMULS' forms for int8 weights
+INT8_PRODUCTS = {"xla": int8_product_xla, "cpu": int8_product_cpu, "gpu": int8_product_xla}  # MATMULS' forms
 
 
 def int8_product(x, q, form: str = AUTO):

@@ -185,8 +185,12 @@ def model_config(config, vocab_size: int) -> GPTConfig:
     return open_model(values)
 
 
-def compute_config(config, platform: str | None = None) -> ComputeConfig:
-    """The compute section on `platform` (default: here), its kernel checked for training: registries.check_kernel."""
+def compute_config(config, platform: str | None = None,
+                   capability: tuple[int, int] | None = None) -> ComputeConfig:
+    """The compute section on `platform` (default: here), its kernel checked for training (registries.check_kernel)
+    and its FP8 matmuls against the devices (check_fp8): `capability` is the compute capability of the GPUs a
+    program compiles for (default: with no platform named, the devices here's)."""
+    here = platform is None  # the devices here: theirs is the capability (asking JAX starts its backends)
     compute, platform = open_compute(config.compute), platform or jax.default_backend()
     cfg, packed = model_config(config, vocab_size=1), config.data.format == "records"
     try:
@@ -197,7 +201,35 @@ def compute_config(config, platform: str | None = None) -> ComputeConfig:
     if compute.weights != "float":
         raise ConfigError(f"compute.weights={compute.weights!r} is weight-only quantisation for inference (sample.py "
                           "--weights int8): train with compute.weights='float'")
+    if capability is None and here and platform == "gpu":
+        capability = gpu_capability(jax.devices()[0])
+    check_fp8(compute, platform, capability)
     return compute
+
+
+FP8_CAPABILITY = (8, 9)  # the oldest NVIDIA GPUs with FP8 matrix units: Ada (8.9), then Hopper (9.0) and later
+FP8_GPUS = "H100, H200, L4, L40S, RTX 40…"
+
+
+def gpu_capability(device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability (major, minor); None where the device does not say."""
+    major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+
+
+def check_fp8(compute: ComputeConfig, platform: str, capability: tuple[int, int] | None) -> None:
+    """A one-line ConfigError when compute.fp8 names matmuls and the devices have no FP8 GEMMs: a CPU, a
+    TPU, or an NVIDIA GPU of compute capability below FP8_CAPABILITY. A GPU whose capability is not
+    known (None: named without its devices) is not refused here; the devices a program compiles for are."""
+    if not compute.fp8_matmuls:
+        return
+    needs = (f"compute.fp8={compute.fp8!r} needs FP8 matrix units (an NVIDIA GPU of compute capability ≥ "
+             f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}: {FP8_GPUS})")
+    if platform != "gpu":
+        raise ConfigError(f"{needs}; on {platform} drop compute.fp8 (--config.compute.fp8='')")
+    if capability is not None and tuple(capability) < FP8_CAPABILITY:
+        raise ConfigError(f"{needs}; these GPUs are of compute capability {capability[0]}.{capability[1]}: "
+                          "drop compute.fp8 (--config.compute.fp8='')")
 
 
 # --- the data and the record ----------------------------------------------------------------
