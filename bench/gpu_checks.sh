@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The checks a lent GPU machine runs in one call (docs/SCALE.md, "On one H100"): the device and its
-# software, then bench/bench_accelerator.py's rows, each variant in a process of its own (XLA reads
-# XLA_FLAGS once a process). Logs and the step's trace go to $OUT (default /tmp/gpu_checks).
+# The checks a lent GPU machine runs in one call (docs/SCALE.md, "Measured on GPUs"): the device and
+# its software, then bench/bench_accelerator.py's and bench/bench_decode_kernels.py's rows, each
+# variant in a process of its own (XLA reads XLA_FLAGS once a process). Logs, the rows as JSON and
+# the traces go to $OUT (default /tmp/gpu_checks).
 #
-#     bash bench/gpu_checks.sh [sample|train|fp8|all]     (default all)
+#     bash bench/gpu_checks.sh [sample|decode|train|fp8|flags|all]     (default all)
+#
+#   sample   sampling tokens/s at batch 1 and 32: the weights as trained (float32) and in bf16, the
+#            product of few rows as a GEMM (compute.matmul auto) and as XLA's own (xla)
+#   decode   one generation at batch 1 traced; the launches a token takes, counted in the program
+#   train    GPT-2 small's train step as shipped, two steps traced
+#   fp8      the same with compute.fp8 (mlp; mlp,unembed), and with XLA's Triton GEMMs off
+#   flags    the same with XLA's command buffers off, and with cuBLAS's GEMMs instead of Triton's
 #
 # Where a package is missing there (no network), its wheels travel in .whl/ and are installed first.
 set -uo pipefail
@@ -13,15 +21,15 @@ mkdir -p "$OUT"
 WHAT=${1:-all}
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" > /dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
-XLA_FLAGS=--help $PY -c "import jax; jax.numpy.zeros(1)" > "$OUT/xla_help.txt" 2>&1
 
 BENCH="$PY bench/bench_accelerator.py --configs gpt2_124m --json $OUT/rows.jsonl"
-WHILE_GRAPHS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+SAMPLE="$BENCH --kernels xla --loss_chunks preset --sample_only"
+TRAIN="$BENCH --kernels cudnn --loss_chunks preset --sample none --steps 3"
 
 run() {  # run NAME SECONDS XLA_FLAGS ARGS…: one variant, its log in $OUT/NAME.log, its last lines shown
     local name=$1 seconds=$2 flags=$3
@@ -29,35 +37,37 @@ run() {  # run NAME SECONDS XLA_FLAGS ARGS…: one variant, its log in $OUT/NAME
     echo "=== $name (XLA_FLAGS='$flags')"
     XLA_FLAGS="$flags" timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
     echo "exit $?"
-    grep -E '^\{|Error|error' "$OUT/$name.log" | cut -c1-400 | tail -6
+    grep -E '^\{|Error|error' "$OUT/$name.log" | cut -c1-400 | tail -4
 }
 
-if [[ $WHAT == sample || $WHAT == all ]]; then
-    run sample_as_trained 120 "" $BENCH --kernels xla --loss_chunks preset --sample_only --sample_weights param
-    run sample_bf16 120 "" $BENCH --kernels xla --loss_chunks preset --sample_only
-    run sample_bf16_while_graphs 120 "$WHILE_GRAPHS" $BENCH --kernels xla --loss_chunks preset --sample_only
+traced() {  # traced FOLDER NAME: the perfetto trace jax.profiler wrote under FOLDER, as $OUT/NAME
+    find "$1" -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/$2" \; 2>/dev/null
+}
+
+is() { [[ $WHAT == "$1" || $WHAT == all ]]; }
+
+if is train; then
+    run train_preset 200 "" $TRAIN --profile /tmp/train_trace
+    traced /tmp/train_trace train_trace.json.gz
 fi
-if [[ $WHAT == decode || $WHAT == all ]]; then  # one generation at batch 1 traced; the launches per token
-    run decode_trace 150 "" $BENCH --kernels xla --loss_chunks preset --sample_only --new 64 --profile /tmp/dtrace
-    find /tmp/dtrace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/decode_trace.json.gz" \; 2>/dev/null
-    run decode_kernels 120 "" $PY bench/bench_decode_kernels.py --topology here --batch 1 --weights compute
-    tail -4 "$OUT/decode_kernels.log"
-    NO_REDUCE="--xla_gpu_enable_dot_strength_reduction=false"
-    run decode_kernels_gemv 120 "$NO_REDUCE" $PY bench/bench_decode_kernels.py --topology here --batch 1 \
-        --weights compute
-    tail -4 "$OUT/decode_kernels_gemv.log"
-    run sample_gemv 120 "$NO_REDUCE" $BENCH --kernels xla --loss_chunks preset --sample_only
-    run sample_gemv_while_graphs 120 "$NO_REDUCE $WHILE_GRAPHS" $BENCH --kernels xla --loss_chunks preset --sample_only
+if is sample; then
+    run sample_as_trained 120 "" $SAMPLE --sample_weights param --matmul xla
+    run sample_bf16_xla 120 "" $SAMPLE --matmul xla
+    run sample_bf16 120 "" $SAMPLE
 fi
-if [[ $WHAT == train || $WHAT == all ]]; then
-    run train_preset 200 "" $BENCH --kernels cudnn --loss_chunks preset --sample none --steps 3 \
-        --profile /tmp/trace
-    find /tmp/trace -name 'perfetto_trace.json.gz' -exec cp {} "$OUT/train_trace.json.gz" \; 2>/dev/null
-    run train_cublas 150 "--xla_gpu_enable_triton_gemm=false" $BENCH --kernels cudnn --loss_chunks preset \
-        --sample none --steps 3
+if is fp8; then
+    run train_fp8_mlp 200 "" $TRAIN --fp8 mlp
+    run train_fp8_mlp_unembed 200 "" $TRAIN --fp8 mlp,unembed
+    run train_fp8_mlp_cublas 200 "--xla_gpu_enable_triton_gemm=false" $TRAIN --fp8 mlp
 fi
-if [[ $WHAT == fp8 || $WHAT == all ]]; then
-    run train_fp8 200 "" $BENCH --kernels cudnn --loss_chunks preset --sample none --steps 3 --fp8 mlp,unembed
+if is decode; then
+    run decode_trace 150 "" $SAMPLE --new 64 --profile /tmp/decode_trace
+    traced /tmp/decode_trace decode_trace.json.gz
+    run decode_kernels 150 "" $PY bench/bench_decode_kernels.py --topology here --batch 1 --weights compute
+    tail -5 "$OUT/decode_kernels.log"
+fi
+if is flags; then
+    run train_no_command_buffers 200 "--xla_gpu_enable_command_buffer=" $TRAIN
 fi
 echo "=== rows"
-cat "$OUT/rows.jsonl" 2>/dev/null | cut -c1-300
+cut -c1-300 "$OUT/rows.jsonl" 2>/dev/null
