@@ -1,6 +1,7 @@
 """The presets' train step on one accelerator: tokens/s, MFU, memory and compile time in bf16,
 with cuDNN's attention against XLA's and the whole logits against the loss in chunks; and
-sampling tokens/s at batch 1 and 32.
+sampling tokens/s at batch 1 and 32 against the memory bound (the device's bandwidth over the
+weights' bytes, read once a step).
 
     python bench/bench_accelerator.py        # configs/gpt2_124m.py and speedrun_gpt2.py, on the default device
     python bench/bench_accelerator.py --configs gpt2_124m --kernels cudnn --loss_chunks preset
@@ -60,6 +61,9 @@ from jaxgpt.train.micro_batch import fitted_plan  # noqa: E402
 from jaxgpt.train.step import init_state, make_train_step  # noqa: E402
 
 # dense bf16 FLOP/s of one device, by the start of jax's device_kind
+# memory bandwidth of one device, bytes/s, by the start of jax's device_kind: the bound on sampling's tokens/s
+BANDWIDTHS = {"NVIDIA H200": 4.8e12, "NVIDIA H100": 3.35e12, "NVIDIA A100": 2.0e12, "NVIDIA L4": 0.3e12,
+              "TPU v5 lite": 0.82e12, "TPU v5p": 2.76e12, "TPU v4": 1.2e12}
 PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "NVIDIA L4": 121e12,
          "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v4": 275e12}
 TOY = dict(n_layer=2, n_head=4, d_model=64, block_size=64, vocab_size=256)
@@ -155,6 +159,14 @@ def initial_params(gpt: GPT):
         jax.random.key(0))
 
 
+def memory_bound(params, batch: int) -> float:
+    """The tokens/s no sampler can pass on this device: each step reads every weight once (its
+    bandwidth over the weights' bytes), for `batch` tokens; NaN where the bandwidth is not known."""
+    kind = jax.devices()[0].device_kind
+    bandwidth = next((b for name, b in BANDWIDTHS.items() if kind.startswith(name)), float("nan"))
+    return batch * bandwidth / sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+
+
 def sampling_tokens_per_s(gpt: GPT, params, batch: int, new: int, profile: str | None = None) -> tuple[float, str]:
     """(tokens/s, the kernel that sampled): the model's own, else XLA's where it cannot decode;
     with `profile`, one more generation traced into that folder."""
@@ -248,6 +260,7 @@ def main(argv=None):
                         speed, used = sampling_tokens_per_s(gpt, params, batch, new,
                                                             profile if args.sample_only and batch == 1 else None)
                         samples.append({"config": name, "kernel": used, "batch": batch, "tokens_per_s": speed,
+                                        "bound": memory_bound(params, batch),
                                         "weights": gpt.compute.param_dtype, "fp8": args.fp8, "matmul": args.matmul})
                         say(samples[-1])
                 del params
@@ -259,9 +272,10 @@ def main(argv=None):
                      f"{r['mfu']:.1%}", f"{r['memory_gib']:.2f}") if "error" not in r else
                     (r["error"], "", "", "", "", ""))) for r in rows])
     print()
-    print_table(("config", "attention", "weights", "fp8", "matmul", "batch", f"sampling tokens/s ({new} new)"),
+    print_table(("config", "attention", "weights", "fp8", "matmul", "batch", f"sampling tokens/s ({new} new)",
+                 "memory bound", "of the bound"),
                 [(s["config"], s["kernel"], s["weights"], s["fp8"] or "none", s["matmul"], str(s["batch"]),
-                  f"{s['tokens_per_s']:,.0f}")
+                  f"{s['tokens_per_s']:,.0f}", f"{s['bound']:,.0f}", f"{s['tokens_per_s'] / s['bound']:.1%}")
                  for s in samples])
     return rows, samples
 
