@@ -37,11 +37,8 @@ def cpu_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     first k, no batch axes) `cpu_matmul` of the two flattened to matrices."""
     if not plain(lhs, dimension_numbers):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    k = len(dimension_numbers[0][0])
-    rows, inner = lhs.shape[:lhs.ndim - k], lhs.shape[lhs.ndim - k:]
-    x = lhs.reshape(math.prod(rows), math.prod(inner))
-    w = rhs.reshape(math.prod(inner), math.prod(rhs.shape[k:]))
-    return cpu_matmul(x, w, precision, preferred_element_type).reshape(*rows, *rhs.shape[k:])
+    x, w, shape = matrices(lhs, rhs, dimension_numbers)
+    return cpu_matmul(x, w, precision, preferred_element_type).reshape(shape)
 
 
 def plain(lhs, dimension_numbers) -> bool:
@@ -52,16 +49,22 @@ def plain(lhs, dimension_numbers) -> bool:
             and tuple(rhs_contract) == tuple(range(k)))
 
 
+def matrices(lhs, rhs, dimension_numbers) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
+    """(X (N, n), W (n, m), y's shape) of a plain contraction y = x W: x's rows and W's outputs
+    flattened, so that y = (X W).reshape(y's shape)."""
+    k = len(dimension_numbers[0][0])
+    rows, inner = lhs.shape[:lhs.ndim - k], lhs.shape[lhs.ndim - k:]
+    x = lhs.reshape(math.prod(rows), math.prod(inner))
+    return x, rhs.reshape(x.shape[1], math.prod(rhs.shape[k:])), (*rows, *rhs.shape[k:])
+
+
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     """jax.lax.dot_general, and for the plain contraction y = x W `fp8_matmul` of the two flattened
     to matrices, in preferred_element_type (default: lhs's dtype)."""
     if not plain(lhs, dimension_numbers):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    k = len(dimension_numbers[0][0])
-    rows, inner = lhs.shape[:lhs.ndim - k], lhs.shape[lhs.ndim - k:]
-    x = lhs.reshape(math.prod(rows), math.prod(inner))
-    w = rhs.reshape(math.prod(inner), math.prod(rhs.shape[k:]))
-    y = fp8_matmul(x, w).reshape(*rows, *rhs.shape[k:])
+    x, w, shape = matrices(lhs, rhs, dimension_numbers)
+    y = fp8_matmul(x, w).reshape(shape)
     return y if preferred_element_type is None else y.astype(preferred_element_type)
 
 
@@ -76,14 +79,12 @@ def gpu_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     """jax.lax.dot_general, with the plain contraction y = x W of fewer than GEMM_ROWS rows computed
     on x's rows padded with zeros to GEMM_ROWS, the padding's rows of y then dropped: the same
     values, as a GEMM."""
-    k = len(dimension_numbers[0][0])
-    rows = math.prod(lhs.shape[:lhs.ndim - k])
-    if not plain(lhs, dimension_numbers) or rows >= GEMM_ROWS:
+    if not plain(lhs, dimension_numbers) or math.prod(lhs.shape[:lhs.ndim - len(dimension_numbers[0][0])]) >= GEMM_ROWS:
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    x = jnp.pad(lhs.reshape(rows, -1), ((0, GEMM_ROWS - rows), (0, 0)))
-    w = rhs.reshape(x.shape[1], -1)
-    y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision, preferred_element_type)
-    return y[:rows].reshape(*lhs.shape[:lhs.ndim - k], *rhs.shape[k:])
+    x, w, shape = matrices(lhs, rhs, dimension_numbers)
+    padded = jnp.pad(x, ((0, GEMM_ROWS - x.shape[0]), (0, 0)))
+    y = jax.lax.dot_general(padded, w, (((1,), (0,)), ((), ())), precision, preferred_element_type)
+    return y[:x.shape[0]].reshape(shape)
 
 
 # the forms of the float product: compute.matmul names 'xla', 'cpu' or 'gpu' (MATMULS, which the int8
