@@ -46,7 +46,16 @@ def rows_split(x):
 
 def whole(x):
     """x whole on every device where it is read: a lookup table under fsdp, all-gathered before
-    the lookup as FSDP gathers a weight, its gradient returned to the table's layout (XLA
-    all-reduces it and keeps each device's slice; a lookup from a split table would instead
-    move every looked-up row). x itself under no mesh."""
-    return x if current_mesh() is None else jax.lax.with_sharding_constraint(x, P())
+    the lookup as FSDP gathers a weight (a lookup from a split table would instead move every
+    looked-up row). Its gradient is left in the layout XLA gives it, not made whole in turn:
+    each device's sum over its own rows, reduce-scattered where the gradient is laid out as the
+    table is (a gradient made whole would be all-reduced and then sliced). x itself under no mesh."""
+    return x if current_mesh() is None else _gathered(x)
+
+
+@jax.custom_vjp
+def _gathered(x):
+    return jax.lax.with_sharding_constraint(x, P())
+
+
+_gathered.defvjp(lambda x: (_gathered(x), None), lambda _, cotangent: (cotangent,))

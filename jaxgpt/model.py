@@ -298,6 +298,10 @@ class GPT(nn.Module):
 
     hidden=True returns (LN_f(Z) (B, T, d), the unembedding's weights) instead of the logits,
     their `unembed`: for a loss that makes them a chunk of tokens at a time (jaxgpt.loss).
+
+    value_rows (K, B, T, H_kv, D): the value tables' rows of these tokens, looked up before
+    (stack.looked_up), the tables then not read: the train step looks up a whole step's once,
+    outside its loop of micro-batches. None: looked up here.
     """
 
     cfg: GPTConfig
@@ -323,7 +327,7 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, cache=None, *, positions=None, segments=None, deterministic: bool = True,
-                 hidden: bool = False):
+                 hidden: bool = False, value_rows=None):
         cfg, compute = self.cfg, self.compute
         deterministic = deterministic or not self.has_rng("dropout")
         before, (positions, where, cache) = cache, locate(tokens, cache, positions, segments)
@@ -343,7 +347,7 @@ class GPT(nn.Module):
         x = rows_split(SCHEMES[cfg.positions].embed(cfg, e, positions, position_table))
         x = self.perturb("embeddings", x)  # a zero 'perturbations' entry: its gradient is ∂/∂X
         x = Dropout(cfg.dropout)(x, deterministic)
-        x, new_layers = self.blocks(x, tokens, where, cache, positions, deterministic)
+        x, new_layers = self.blocks(x, tokens, where, cache, positions, deterministic, value_rows)
 
         x = make_norm(cfg, compute, "ln_f")(x)
         head = self.unembedding(wte)
@@ -364,7 +368,7 @@ class GPT(nn.Module):
                                       (cfg.vocab_size,), compute.params_dtype)
         return head
 
-    def blocks(self, x, tokens, where: Where, cache, positions, deterministic: bool):
+    def blocks(self, x, tokens, where: Where, cache, positions, deterministic: bool, value_rows=None):
         """The n_layer blocks, each with its layer of the cache, and the paths around them
         (jaxgpt.stack: value embeddings, U-net skips): (x, the layers' new caches)."""
         cfg, compute = self.cfg, self.compute
@@ -374,7 +378,7 @@ class GPT(nn.Module):
                          static_argnums=argnums(Block.__call__, "deterministic")) if compute.remat else Block
         layer_caches = [None if cache is None else cache.layer(layer, positions) for layer in range(cfg.n_layer)]
         return stack.blocks(block, cfg, compute, x, tokens, where, layer_caches, deterministic,
-                            normal(embedding_std(cfg)))
+                            normal(embedding_std(cfg)), value_rows)
 
 
 def unembed(cfg: GPTConfig, compute: ComputeConfig, head: dict, x):

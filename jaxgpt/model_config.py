@@ -30,8 +30,8 @@ INITS = ("gpt2", "he", "small")
 # where their entries are defined, checked where a config is opened (jaxgpt.registries).
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 WEIGHTS = ("float", "int8")  # how the weight matrices are stored: in param_dtype, or int8 with scales
-# the weight matmuls compute.fp8 may name: the MLP's (c_fc…, c_proj), the attention's (c_attn or q_proj and
-# kv_proj, c_proj) and the unembedding (model.unembed: the whole logits and the chunked loss's)
+# the weight matmuls compute.fp8 may name: the MLP's, the attention's projections (in and out) and the
+# unembedding (model.unembed: the whole logits and the chunked loss's); model.py says which layer is which
 FP8_MATMULS = ("mlp", "attention", "unembed")
 # the compute section's keys that older run directories kept in the model section, and the
 # kernels they named in model.attention

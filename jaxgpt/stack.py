@@ -10,6 +10,11 @@ that config.value_embeds lists for it; λ_ℓ and w_i are learned scalars (group
 starting at ½ and w at 1. Both read only the current token or the current position, so
 decoding with a cache and packed rows need nothing more.
 
+VE_k[x] depends on the tokens and the tables alone, so it may be looked up before the blocks run
+(looked_up, from a GPT's params) and given to the model (GPT's value_rows): the train step looks up
+a whole step's rows once, outside its loop of micro-batches, and returns their gradient to the
+tables once after it (jaxgpt.train.step).
+
 The blocks run in a loop (params h_0 … h_{L−1}) or, with compute.scan_layers, as one nn.scan
 (params h, stacked): there a layer's table, gate and skip are picked by index from what the
 scan carries (the first half's outputs) and broadcasts (the tables' rows), a weight of 0 where
@@ -30,6 +35,7 @@ from jaxgpt.blocks import STACKED, block_name
 from jaxgpt.model_config import ComputeConfig, GPTConfig, value_embed_layers
 
 GATE_INIT = 0.5  # λ at first: the speedrun mixed ½·V + ½·VE[x]
+VALUE_EMBEDS = "value_embeds"  # the module of the tables and gates, among GPT's params
 SKIP_INIT = 1.0  # w at first: the speedrun's skip weights start at one
 
 
@@ -59,6 +65,26 @@ def add_skip(x, weight, output):
 # --- the params -------------------------------------------------------------------------------
 
 
+def value_rows(tables, tokens, dtype) -> tuple:
+    """VE_k[x] for every table k, each (*tokens.shape, H_kv, D) in `dtype`: each table gathered
+    whole where it is read (axes.whole), its rows kept with their tokens' rows. A row is looked up
+    as one vector of H_kv·D values: XLA's TPU lookup of (H_kv, D) blocks, and the scatter-add of
+    its gradient, moved 1.7 times the bytes (docs/SCALE.md)."""
+    def rows(table):
+        vocab, *row = table.shape
+        found = jnp.take(axes.whole(table).reshape(vocab, -1), tokens, axis=0).reshape(*tokens.shape, *row)
+        return rows_split(found).astype(dtype)
+
+    return tuple(rows(table) for table in tables)
+
+
+def looked_up(cfg: GPTConfig, compute: ComputeConfig, params, tokens):
+    """value_rows of the value tables among a GPT's `params` (theirs are ValueEmbeds'), in the compute
+    dtype: what GPT(…, value_rows=…) reads in place of the tables."""
+    tables = params[VALUE_EMBEDS]
+    return value_rows([tables[f"table_{k}"] for k in range(len(cfg.value_embeds))], tokens, compute.compute_dtype)
+
+
 def scalar(module: nn.Module, name: str, value: float, dtype):
     """A learned scalar (shape (), group "scalar") starting at `value`."""
     return module.param(name, layout.declare(nn.initializers.constant(value), ()), (), dtype)
@@ -73,16 +99,18 @@ class ValueEmbeds(nn.Module):
     table_init: Any
 
     @nn.compact
-    def __call__(self, tokens):
-        """(VE_k[x] for every table k, stacked (K, B, T, H_kv, D), {layer ℓ: λ_ℓ})."""
+    def __call__(self, tokens, rows=None):
+        """(VE_k[x] for every table k, stacked (K, B, T, H_kv, D), {layer ℓ: λ_ℓ}); `rows`: those
+        VE_k[x] (value_rows), looked up before (looked_up), the tables then not read."""
         cfg, dtype = self.cfg, self.compute.params_dtype
-        init = layout.declare(self.table_init, ("vocab", "kv_heads", "value_dim"), group="embed")
-        shape = (cfg.vocab_size, cfg.n_kv_head, cfg.head_dim)
-        rows = [rows_split(jnp.take(axes.whole(self.param(f"table_{k}", init, shape, dtype)), tokens, axis=0))
-                for k in range(len(cfg.value_embeds))]
+        if rows is None:
+            init = layout.declare(self.table_init, ("vocab", "kv_heads", "value_dim"), group="embed")
+            shape = (cfg.vocab_size, cfg.n_kv_head, cfg.head_dim)
+            tables = [self.param(f"table_{k}", init, shape, dtype) for k in range(len(cfg.value_embeds))]
+            rows = value_rows(tables, tokens, self.compute.compute_dtype)
         gates = {layer: scalar(self, f"gate_{layer}", GATE_INIT, dtype)
                  for layer in sorted(value_embed_layers(cfg.value_embeds, cfg.n_layer))}
-        return jnp.stack(rows).astype(self.compute.compute_dtype), gates
+        return jnp.stack(rows), gates
 
 
 class UNet(nn.Module):
@@ -101,12 +129,14 @@ class UNet(nn.Module):
 # --- the stack --------------------------------------------------------------------------------
 
 
-def blocks(block, cfg, compute, x, tokens, where, layer_caches: list, deterministic: bool, table_init):
+def blocks(block, cfg, compute, x, tokens, where, layer_caches: list, deterministic: bool, table_init,
+           value_rows=None):
     """The n_layer blocks of class `block` (model.Block, or its remat), each with its layer of
     the cache (None without one), with the value embeddings and U-net skips cfg asks for:
-    (x, the layers' new caches). Made inside GPT's call, so their params are GPT's."""
-    rows, gates = ValueEmbeds(cfg, compute, table_init, name="value_embeds")(tokens) if cfg.value_embeds \
-        else (None, {})
+    (x, the layers' new caches). Made inside GPT's call, so their params are GPT's. value_rows:
+    the value tables' rows of `tokens`, looked up before (looked_up); None: looked up here."""
+    rows, gates = ValueEmbeds(cfg, compute, table_init, name=VALUE_EMBEDS)(tokens, value_rows) \
+        if cfg.value_embeds else (None, {})
     weights = UNet(cfg.n_layer, compute.params_dtype, name="unet")() if cfg.unet_skips else {}
     if compute.scan_layers:
         return _scanned(block, cfg, compute, x, where, layer_caches, deterministic, rows, _plan(cfg, gates, weights))

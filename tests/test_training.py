@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from processes import xla_flags
+from processes import finished, with_devices, xla_flags
 
 from jaxgpt import GPTConfig, sharding
 from jaxgpt.config import TrainConfig
@@ -53,6 +53,89 @@ def test_sharded_training_equals_single_device():
     for mesh, r in results.items():
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, (mesh, r)
     assert results["(2, 2, 2)"]["sharded_leaves"] > 0 and results["(1, 1, 8)"]["sharded_leaves"] > 0
+
+
+# A train step of 2 micro-batches as train.py lowers it (run.lower_train_step: under the mesh, each micro-batch's
+# gradient laid out as its parameter), with two value tables (vocabulary 64, 2 heads × 8 over fsdp), against one
+# device's; the collectives of the compiled program inside the micro-batch loop (the while loop's body and what it
+# calls) and outside it, by the shapes of their results.
+VALUE_TABLES = """
+import json, re, sys
+import jax, numpy as np
+from jaxgpt import GPT, GPTConfig, sharding
+from jaxgpt.config import TrainConfig
+from jaxgpt.model import param_layout
+from jaxgpt.optim import learning_rate_schedule, make_optimizer
+from jaxgpt.train.run import lower_train_step
+from jaxgpt.train.step import abstract_state, init_state, initialise_into, make_train_step, seeded
+
+cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64,
+                value_embeds=((0,), (1,)))
+train = TrainConfig(lr=3e-3, min_lr=1e-4, warmup_steps=1, steps=10, weight_decay=0.1, clip=1.0, batch_size=8,
+                    grad_accum=2)
+gpt, mesh = GPT(cfg), sharding.make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+optimizer = make_optimizer(train, param_layout(gpt))
+abstract = abstract_state(gpt, optimizer, mesh)
+state = initialise_into(gpt, optimizer, 0, jax.tree.map(lambda leaf: leaf.sharding, abstract))
+compiled = lower_train_step(gpt, train, mesh, optimizer, abstract, packed=False).compile()
+one = jax.jit(seeded(make_train_step(gpt, optimizer, learning_rate_schedule(train), grad_accum=2)))
+alone = init_state(gpt, optimizer, 0)
+tokens = np.random.default_rng(0).integers(0, 64, size=(2, 16, 17)).astype(np.int32)
+losses = []
+for batch in tokens:
+    state, metrics = compiled(state, (batch[:, :-1], batch[:, 1:]), train.seed)
+    alone, reference = one(alone, (batch[:, :-1], batch[:, 1:]), train.seed)
+    losses.append(abs(float(metrics["loss"]) - float(reference["loss"])))
+pairs = zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(alone.params), strict=True)
+out = {"loss_diff": max(losses), "param_diff": max(float(np.abs(a - b).max()) for a, b in pairs)}
+
+hlo = compiled.as_text()
+computations, calls, loop, current = {}, {}, set(), None
+for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+        current = line.replace("ENTRY ", "").split()[0].lstrip("%")
+        computations[current], calls[current] = [], set()
+    elif current:
+        computations[current].append(line)
+        calls[current] |= set(re.findall(r"(?:body|condition|calls|to_apply)=%([\\w.-]+)", line))
+def reached(name, seen):
+    if name not in seen:
+        seen.add(name)
+        for callee in calls.get(name, ()):
+            reached(callee, seen)
+    return seen
+for line in hlo.splitlines():  # the micro-batch loop: the step's own while (a CPU's scatter-adds are loops too)
+    if " while(" in line and 'op_name="jit(seeded_step)/while"' in line:
+        reached(re.search(r"body=%([\\w.-]+)", line).group(1), loop)
+def collectives(names):  # [kind, [each result's shape]]: a CPU's all-reduces are of tuples
+    found = []
+    for name in names:
+        for line in computations[name]:
+            hit = re.match(r"\\s*(?:ROOT )?%\\S+ = (.+?) (all-gather|all-reduce|reduce-scatter)\\(", line)
+            if hit:
+                shapes = re.findall(r"\\w+\\[([\\d,]*)\\]", hit.group(1))
+                found.append([hit.group(2), [[int(n) for n in dims.split(",") if n] for dims in shapes]])
+    return found
+out["loops"], out["in_loop"], out["outside"] = len(loop), collectives(loop), collectives(set(computations) - loop)
+print(json.dumps(out))
+"""
+
+
+def test_value_tables_are_gathered_and_their_gradient_reduced_once_a_step_outside_the_loop():
+    """On 8 CPU devices (fsdp=8), a train step of 2 micro-batches with two value-embedding tables
+    (train.step.looked_up): each table is all-gathered once, before the micro-batch loop, and its
+    gradient reduced once, after it (a reduce-scatter on a TPU; XLA's CPU writes one as an
+    all-reduce and a slice); inside the loop no collective has a table's shape (neither a gather
+    nor a reduction of its gradient); and two steps equal one device's."""
+    out = json.loads(finished(with_devices(VALUE_TABLES), timeout=300))
+    assert out["loss_diff"] < 1e-5 and out["param_diff"] < 1e-5, out
+    shard = [64, 2, 1]  # a table (vocabulary, kv heads, head_dim) with head_dim over fsdp=8
+    whole = ([64, 2, 8], [64, 16])  # gathered: as declared, or each row one vector of H·D values (stack.value_rows)
+    assert out["loops"] > 1, out  # the loop's body and what it calls were found
+    assert not [c for c in out["in_loop"] if any(s in whole or s == shard for s in c[1])], out["in_loop"]
+    gathered = [c for c in out["outside"] if c[0] == "all-gather" and c[1][0] in whole]
+    reduced = [s for kind, shapes in out["outside"] if kind != "all-gather" for s in shapes if s in whole or s == shard]
+    assert len(gathered) == 2 and len(reduced) == 2, out["outside"]
 
 
 MESH = {"data": -1, "fsdp": 1, "tensor": 1, "cpu_devices": -1}

@@ -3,14 +3,18 @@ body once. Each loop's parts are compiled on their own here, and the report adds
 (jaxgpt.compile.figures) as (times, compiled program) pairs:
 
     train step   grad_accum micro-batches, each with C chunks of the loss (compute.loss_chunk;
-                 C = 1 without), then one update. XLA counts one micro-batch with one chunk, and
-                 the update: counted = micro + update, so with the step's figures × grad_accum
-                     actual = grad_accum·counted − (grad_accum − 1)·update + grad_accum·(C − 1)·chunk
+                 C = 1 without), and what runs once a step outside them: the value tables' rows
+                 looked up before and their gradient after (train.step.looked_up), and the update.
+                 XLA counts one micro-batch with one chunk, and that once: counted = micro + outside,
+                 so with the step's figures × grad_accum
+                     actual = grad_accum·counted − (grad_accum − 1)·outside + grad_accum·(C − 1)·chunk
     eval step    its C chunks of the loss: actual = counted + (C − 1)·chunk (forward only)
 
 chunk: one chunk's logits, loss and gradient as chunked.chunked_cross_entropy computes them (its
 target scores for the eval step), the unembedding's weights gathered whole on every device as
-in the loop; update: the optimizer's update and its application to the parameters.
+in the loop; outside: the value tables' lookup of the step's tokens and the gradient of their rows
+returned to them (none without value tables, or where no mesh splits the rows), the optimizer's update
+and its application to the parameters.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ def chunks(tokens: int, chunk: int) -> int:
 
 
 def train_extras(gpt, mesh, optimizer, abstract, rows: int, grad_accum: int) -> Extras:
-    """The train step's pairs: the update counted grad_accum − 1 times too many, and each micro-batch
-    of `rows` rows its C − 1 chunks of the loss counted too few."""
+    """The train step's pairs: what runs outside its loop counted grad_accum − 1 times too many, and
+    each micro-batch of `rows` rows its C − 1 chunks of the loss counted too few."""
     extras = []
     if grad_accum > 1:
         with _mesh(mesh):
-            extras.append((-(grad_accum - 1), _update_program(optimizer, abstract)))
+            extras.append((-(grad_accum - 1), _outside_program(gpt, mesh, optimizer, abstract, rows, grad_accum)))
     with _mesh(mesh):
         missed = _chunks_missed(gpt, rows)
         if missed:
@@ -92,17 +96,32 @@ def _chunk_program(gpt, mesh, params, train: bool):
     return lowered.compile()
 
 
-def _update_program(optimizer, abstract):
-    """The optimizer's update of the abstract state's params from gradients shaped and laid out as them."""
+def _outside_program(gpt, mesh, optimizer, abstract, rows: int, grad_accum: int):
+    """The train step's work outside its loop, as it does it (train.step.make_train_step): the value
+    tables' rows of grad_accum micro-batches of `rows` rows looked up, their gradient returned to the
+    tables, and the optimizer's update of the abstract state's params from gradients laid out as them."""
     import jax
+    import jax.numpy as jnp
     import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxgpt.axes import BATCH_AXES
+    from jaxgpt.train.step import looked_up
 
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    micro = NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))  # (k, B, T): each micro-batch's rows split
+    tokens = jax.ShapeDtypeStruct((grad_accum, rows, gpt.cfg.block_size), jnp.int32, sharding=micro)
+    found = jax.eval_shape(lambda p, t: looked_up(gpt, p, t)[0], abstract.params, tokens)
+    row_grads = jax.tree.map(lambda row: jax.ShapeDtypeStruct(row.shape, row.dtype, sharding=micro), found)
 
-    def update(params, opt_state, grads):
+    def outside(params, opt_state, grads, tokens, row_grads):
+        looked, pull_back = looked_up(gpt, params, tokens)
+        if pull_back is not None:
+            grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, pull_back(row_grads)),
+                                                     shardings.params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, looked
 
-    jitted = jax.jit(update, in_shardings=(shardings.params, shardings.opt_state, shardings.params),
-                     out_shardings=(shardings.params, shardings.opt_state), donate_argnums=(0, 1))
-    return jitted.lower(abstract.params, abstract.opt_state, abstract.params).compile()
+    jitted = jax.jit(outside, in_shardings=(shardings.params, shardings.opt_state, shardings.params, micro, micro),
+                     out_shardings=(shardings.params, shardings.opt_state, micro), donate_argnums=(0, 1))
+    return jitted.lower(abstract.params, abstract.opt_state, abstract.params, tokens, row_grads).compile()

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxgpt import layout, ops
+from jaxgpt import axes, layout, ops, stack
 from jaxgpt.config import GPTConfig, TrainConfig
 from jaxgpt.loss import chunk_tokens, chunked, logits_fn, multi_token, score_targets
 from jaxgpt.model import GPT, param_layout, param_shapes
@@ -52,16 +52,17 @@ def as_model(model: GPT | GPTConfig) -> GPT:
 
 
 def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *, positions=None, segments=None,
-            count=None, ahead=None):
+            count=None, ahead=None, value_rows=None):
     """Cross-entropy of the model's next-token predictions: the mean over the targets where
     `mask` is True, or their sum over `count` (see ops.cross_entropy); with compute.loss_chunk,
     the logits made and their gradient taken a chunk of tokens at a time (chunked.chunked_cross_entropy).
     ahead (K,): multi-token prediction's weights w_k, each position's logits also scored on the
-    targets k − 1 further on (jaxgpt.loss.multi_token), still over the count of next-token targets."""
+    targets k − 1 further on (jaxgpt.loss.multi_token), still over the count of next-token targets.
+    value_rows: the value tables' rows of `inputs`, looked up before (looked_up; see GPT)."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     chunk = model.compute.loss_chunk
     out = model.apply({"params": params}, inputs, positions=positions, segments=segments,
-                      deterministic=dropout_key is None, rngs=rngs, hidden=bool(chunk))
+                      deterministic=dropout_key is None, rngs=rngs, hidden=bool(chunk), value_rows=value_rows)
     if ahead is not None:  # K targets a position: logits (B, T, 1, V) against targets (B, T, K)
         count = (targets.size if mask is None else mask.sum(dtype=jnp.float32)) if count is None else count
         targets, mask = multi_token.targets_ahead(targets, mask, segments, ahead)
@@ -87,7 +88,10 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
 
     grad_shardings (the params' NamedShardings): each micro-batch's gradient is laid out as
     its parameter is, so under fsdp it is reduce-scattered into the sum's shards (not
-    all-reduced whole, as a sum of unknown layout would be).
+    all-reduced whole, as a sum of unknown layout would be). The value tables are read once a
+    step, before the loop (looked_up): each micro-batch takes its rows and the gradient of
+    them, which stay on their devices, and the tables' gradient is made of all of them once
+    after it.
 
     ahead: step → (K,) the weights of multi-token prediction at that step (ahead_weights), or None:
     the next token only. The loss it reports is then the objective, auxiliary targets included."""
@@ -99,25 +103,47 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
         micro_batches = tuple(a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1) for a in batch)
         count = batch[2].sum(dtype=jnp.float32) if len(batch) > 2 else jnp.float32(batch[1].size)
 
+        rows, pull_back = looked_up(model, state.params, micro_batches[0])
+
         def micro_step(grad_sum, micro):
-            (x, y, *packed), i = micro
+            (x, y, *packed), i, value_rows = micro
             mask, positions, segments = packed or (None, None, None)
             dropout_key = jax.random.fold_in(key, i) if use_dropout else None
-            loss, grads = jax.value_and_grad(loss_fn, argnums=1)(
-                model, state.params, x, y, mask, dropout_key, positions=positions, segments=segments, count=count,
-                ahead=None if ahead is None else ahead(state.step))
-            return laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads))), loss
+
+            def objective(params, value_rows):
+                return loss_fn(model, params, x, y, mask, dropout_key, positions=positions, segments=segments,
+                               count=count, ahead=None if ahead is None else ahead(state.step), value_rows=value_rows)
+
+            loss, (grads, row_grads) = jax.value_and_grad(objective, argnums=(0, 1))(state.params, value_rows)
+            return laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads))), (loss, row_grads)
 
         laid_out = (lambda tree: tree) if grad_shardings is None else (  # noqa: E731
             lambda tree: jax.lax.with_sharding_constraint(tree, grad_shardings))
         zeros = laid_out(jax.tree.map(jnp.zeros_like, state.params))
-        grads, losses = jax.lax.scan(micro_step, zeros, (micro_batches, jnp.arange(k)))
+        grads, (losses, row_grads) = jax.lax.scan(micro_step, zeros, (micro_batches, jnp.arange(k), rows))
+        if rows is not None:  # the tables' gradient, of every micro-batch's rows at once
+            grads = laid_out(jax.tree.map(jnp.add, grads, pull_back(row_grads)))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": losses.sum(), "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def looked_up(model: GPT, params, tokens) -> tuple[Any, Callable | None]:
+    """(VE_k[x] of each micro-batch's tokens, a (k, B, T, H_kv, D) for each table k, pull_back: their gradient →
+    the params'): the value tables gathered whole and read once a step, outside the loop of
+    micro-batches (tokens (k, B, T)); pull_back sums each device's rows into the tables'
+    gradient and reduce-scatters it into their layout, once (axes.whole). (None, None) without
+    value tables, or where no mesh splits the rows: the tables are then whole already and read
+    in the loop, where a whole step's rows would only take memory."""
+    mesh = axes.current_mesh()
+    if not model.cfg.value_embeds or mesh is None or axes.batch_ways(mesh) == 1:
+        return None, None
+    lookup = jax.vmap(lambda p, t: stack.looked_up(model.cfg, model.compute, p, t), in_axes=(None, 0))
+    rows, pull_back = jax.vjp(lambda p: lookup(p, tokens), params)
+    return rows, lambda row_grads: pull_back(row_grads)[0]
 
 
 def ahead_weights(train: TrainConfig) -> Callable | None:
