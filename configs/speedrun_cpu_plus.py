@@ -11,7 +11,7 @@ other), a bigram hash table of 64 rows, and NorMuon's per-neuron normalisation o
 update; d_ff 480 pays for the tables. 180 steps instead of 240: it reaches nanoGPT's loss by
 step 160 on a 170-step schedule (seeds 0 and 1), 180 leaves a margin. The ablation, and the
 techniques that did not help here (U-net skips, smear, Polar Express, cautious weight decay,
-multi-token prediction, a batch schedule): docs/EXPERIMENTS.md.
+multi-token prediction, a batch schedule, attention output gates): docs/EXPERIMENTS.md.
 """
 
 from jaxgpt.config import load_config

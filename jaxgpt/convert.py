@@ -205,6 +205,7 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
         (cfg.unet_skips, "unet_skips=True: GPT-2's blocks read only the block before"),
         (cfg.smear, "smear=True: GPT-2 embeds each token alone, without the one before it"),
         (cfg.bigram_table > 0, f"bigram_table={cfg.bigram_table}: GPT-2 has no bigram hash embedding"),
+        (cfg.attn_gate > 0, f"attn_gate={cfg.attn_gate}: GPT-2's heads are not gated"),
     ]
     problems = [reason for refused, reason in refusals if refused]
     if problems:

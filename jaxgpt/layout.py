@@ -48,7 +48,7 @@ LOGICAL_AXES = {
     "layers": "the blocks stacked on one axis (compute.scan_layers)",
     "bigrams": "the rows of the bigram hash table (model.bigram_table)",
     "value_dim": "a head's width in a value-embedding table's row (model.value_embeds): split as d_model is",
-    "gate": "the few channels of d_model a gate reads (the smear's)",
+    "gate": "the few channels of d_model a gate reads (the smear's, the attention gate's)",
 }
 # Logical axis → the mesh axis it is split over (None: whole). One table for every parameter.
 RULES = (

@@ -153,7 +153,8 @@ class CausalSelfAttention(nn.Module):
     each head's q and k are RMS-normalised over D (gains q_norm/scale, k_norm/scale of size D,
     shared by the heads) before the positions rotate them. The form
     (cfg.attention: softmax, linear, local) and the kernel that computes it (compute.kernel)
-    come from jaxgpt.attention. With value_embed (λ, VE[x]), V ← V + λ·VE[x] (jaxgpt.stack).
+    come from jaxgpt.attention. With value_embed (λ, VE[x]), V ← V + λ·VE[x] (jaxgpt.stack). With
+    attn_gate = G, each head's context is scaled by a gate σ(x[:G] W_g + b_g)_h of the token (`gate`).
     Params: with n_kv_head = n_head, c_attn/kernel (d, 3, H, D)
     (GPT-2's layout); otherwise q_proj/kernel (d, H, D) and kv_proj/kernel (d, 2, H_kv, D).
     c_proj/kernel (H, D, d) is W_O.
@@ -181,6 +182,15 @@ class CausalSelfAttention(nn.Module):
         return compute_on(self.compute, jax.default_backend(), self.cfg, training=not deterministic,
                           packed=where.q_segments is not None).kernel
 
+    def gate(self, x, context):
+        """With attn_gate = G: C_h ← σ(x[:G] W_g + b_g)_h · C_h per token (ops.gate_heads), params gate (G, H)
+        and gate_bias (H,), scalars (AdamW, no decay) at zero, so every head starts at σ(0) = ½."""
+        cfg, dtype = self.cfg, self.compute.params_dtype
+        w = self.param("gate", layout.declare(nn.initializers.zeros, ("gate", "heads")), (cfg.attn_gate, cfg.n_head),
+                       dtype)
+        b = self.param("gate_bias", layout.declare(nn.initializers.zeros, ("heads",)), (cfg.n_head,), dtype)
+        return ops.gate_heads(context, x, w, b)
+
     @nn.compact
     def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True, value_embed=None):
         cfg = self.cfg
@@ -202,6 +212,8 @@ class CausalSelfAttention(nn.Module):
         context, layer_cache = FORMS[cfg.attention].attend(
             cfg, KERNELS[self.kernel(where, deterministic)], q, k, v, where, layer_cache,
             lambda w: scheme.bias(cfg, w), on_weights)
+        if cfg.attn_gate:
+            context = self.gate(x, context)
         out = dense(self.compute)((cfg.d_model,), ("heads", "head_dim", "embed"), cfg,
                                   self.compute.for_matmul("attention"), n_in=2,
                                   use_bias=cfg.bias, residual=True, zero_init=cfg.zero_init_out, name="c_proj")

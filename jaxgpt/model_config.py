@@ -114,6 +114,9 @@ class GPTConfig:
     unet_skips: bool = False  # the input of layer L−1−i gets w_i times the output of layer i, for i < L//2
     smear: bool = False  # e_t + λ·σ(w·e_t[:12])·e_{t−1}: a gated share of the token before (jaxgpt.previous)
     bigram_table: int = 0  # M > 0: a table of M rows indexed by a hash of (x_{t−1}, x_t), added to e_t; 0: none
+    # G > 0: each head's context C_h is scaled by σ(x[:G] W_g + b_g)_h, a gate read from the first G features of
+    # the attention's input x (modded-nanogpt's attention gate reads 12); 0: no gate
+    attn_gate: int = 0
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -167,7 +170,7 @@ class GPTConfig:
 
     def _check_stack(self):
         """value_embeds on layers that exist, U-net skips with two layers to pair, a bigram table of
-        at least 2 rows."""
+        at least 2 rows, an attention gate that reads features x has."""
         value_embed_layers(self.value_embeds, self.n_layer)
         if self.unet_skips and self.n_layer < 2:
             raise ValueError(f"GPTConfig.unet_skips=True with n_layer={self.n_layer}: a U-net pairs layer i with layer "
@@ -176,6 +179,10 @@ class GPTConfig:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
             raise ValueError(f"GPTConfig.bigram_table={size!r}: must be 0 (no bigram embedding) or the rows of its "
                              f"table, at least 2 (one is kept for a token with none before; e.g. 5·vocab_size)")
+        gate = self.attn_gate
+        if isinstance(gate, bool) or not isinstance(gate, int) or not 0 <= gate <= self.d_model:
+            raise ValueError(f"GPTConfig.attn_gate={gate!r}: must be 0 (no attention gate) or the number of the "
+                             f"attention input's leading features its gate reads, 1 … d_model={self.d_model} (e.g. 12)")
 
     def replace(self, **changes) -> GPTConfig:
         """A copy with some fields changed (validated again). d_ff, head_dim and n_kv_head that

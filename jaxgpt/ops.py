@@ -72,6 +72,13 @@ def attention(q, k, v, mask=None, bias=None):
     return attend(attention_weights(q, k, mask, bias), v)
 
 
+def gate_heads(context, x, w, b):
+    """C_h ← σ(x[:G] W_g + b_g)_h · C_h: each head's context (..., H, D) at each token scaled by a gate in
+    (0, 1) read from the first G features of that token's attention input x (..., d), W_g (G, H), b_g (H,)."""
+    gate = jax.nn.sigmoid(linear(x[..., :w.shape[0]], w.astype(x.dtype)) + b.astype(x.dtype))
+    return context * gate[..., None].astype(context.dtype)
+
+
 def share_kv_heads(kv, n_head):
     """Grouped-query attention: K_h = K_{⌊h/g⌋}, g = n_head/n_kv_head, for kv (B,S,H_kv,D) → (B,S,H,D):
     each of the H_kv key/value heads serves g consecutive query heads."""

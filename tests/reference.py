@@ -163,6 +163,8 @@ def gpt_forward(cfg, params, tokens):
             ctx = linear_attention_recurrent(qh, kh, vh, cfg.linear_feature)
         else:
             ctx = attention(qh, kh, vh, mask, bias)
+        if cfg.attn_gate:
+            ctx = gate_heads(ctx, x, q["gate"], q["gate_bias"])
         out = np.einsum("bthk,hkd->btd", ctx, q["c_proj"]["kernel"])
         return out + q["c_proj"]["bias"] if "bias" in q["c_proj"] else out
 
@@ -196,6 +198,19 @@ def gpt_forward(cfg, params, tokens):
         c = cfg.logit_softcap
         logits = c * np.tanh(logits / c)
     return logits
+
+
+def gate_heads(ctx, x, w, b):
+    """ctx[b,t,h] times g = σ(Σ_i x[b,t,i] w[i,h] + b[h]) over the first G = len(w) features of the
+    attention's input x, token by token and head by head."""
+    out = ctx.copy()
+    B, T, H, _ = ctx.shape
+    for bi in range(B):
+        for t in range(T):
+            for h in range(H):
+                z = sum(x[bi, t, i] * w[i, h] for i in range(w.shape[0])) + b[h]
+                out[bi, t, h] = ctx[bi, t, h] / (1 + math.exp(-z))
+    return out
 
 
 def bigram_hash(before, token, table_size):

@@ -178,6 +178,7 @@ SAVE_REFUSED = {
     "logits bias": (dict(logits_bias=True), "n_kv_head, head_dim, logits_bias, ffn_layers"),
     "qk-norm": (dict(qk_norm=True), "qk_norm=True"),
     "soft-capped logits": (dict(logit_softcap=30.0), "logit_softcap=30.0"),
+    "attention gate": (dict(attn_gate=4), "attn_gate=4: GPT-2's heads are not gated"),
 }
 
 

@@ -75,6 +75,7 @@ EXPECTED = {
     # a value table's rows over tensor like the token table's, each head's width over fsdp like its d_model
     "value_embeds/table_0": ("tensor", None, "fsdp"), "value_embeds/table_1": ("tensor", None, "fsdp"),
     "value_embeds/gate_0": (), "value_embeds/gate_1": (), "unet/w_0": (),
+    "attn/gate": (None, "tensor"), "attn/gate_bias": ("tensor",),  # the attention gate's, split as the heads
 }
 MULTI_QUERY = {"attn/kv_proj/kernel": ("fsdp", None, None, None), "attn/kv_proj/bias": (None, None, None)}
 
@@ -120,7 +121,8 @@ VARIANTS = {
     "none": (dict(BASE, positions="none"), True, "adamw"),
     "linear": (dict(BASE, attention="linear"), False, "adamw"),
     "local": (dict(BASE, attention="local", window=4), False, "adamw"),
-    "smear, bigram_table, scan_layers, muon": (dict(BASE, smear=True, bigram_table=50), True, "muon"),
+    "smear, bigram_table, attn_gate, scan_layers, muon": (dict(BASE, smear=True, bigram_table=50, attn_gate=4), True,
+                                                          "muon"),
     "value_embeds, unet_skips, muon": (dict(BASE, value_embeds=((0,), (1,)), unet_skips=True), False, "muon"),
 }
 

@@ -18,7 +18,8 @@ from jaxgpt.model import param_layout
 CASES = [  # 2 and 3 layers, every positions option, linear and local attention, remat, GQA, the recipe
     {"positions": "learned", "n_layer": 2, "n_head": 4, "n_kv_head": 2},
     {"positions": "sinusoidal", "n_layer": 3},
-    {**RECIPE, "n_layer": 2, "attention": "local", "window": 3},  # the modern recipe's switches, RoPE
+    # the modern recipe's switches, RoPE, and the attention gate
+    {**RECIPE, "n_layer": 2, "attention": "local", "window": 3, "attn_gate": 5},
     {"positions": "alibi", "n_layer": 3},
     {"positions": "none", "n_layer": 3, "attention": "linear"},
 ]
@@ -63,7 +64,7 @@ def test_scan_initialises_stacked_params_of_the_loops_shapes():
 
 
 @pytest.mark.parametrize("changes", [{}, {**RECIPE, "value_embeds": ((0, -1),), "unet_skips": True, "smear": True,
-                                      "bigram_table": 8, "n_layer": 4}], ids=["gpt2", "every_switch"])
+                                      "bigram_table": 8, "attn_gate": 4, "n_layer": 4}], ids=["gpt2", "every_switch"])
 def test_a_seed_initialises_the_same_weights_in_either_layout(changes):
     """The layout is how the model runs: a run from scratch with scan_layers starts from the per-layer run's
     weights (the train state's params, as train.py initialises them), stacked."""

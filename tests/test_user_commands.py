@@ -110,7 +110,8 @@ def corpus_text() -> str:
     return "\n".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(9)) + f" {i}." for i in range(600))
 
 
-EVERY_SWITCH = ["--config.model.unet_skips=True", "--config.model.smear=True"]  # the plus config has the rest
+EVERY_SWITCH = ["--config.model.unet_skips=True", "--config.model.smear=True",  # the plus config has the rest
+                "--config.model.attn_gate=12"]
 # the recipe's 4 layers (its value-embedding tables need them), narrower and shorter: the same programs, smaller
 NARROW = ["--config.model.d_model=32", "--config.model.n_head=2", "--config.model.d_ff=64",
           "--config.model.block_size=32", "--config.model.bigram_table=16", "--config.train.batch_size=4"]
