@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine runs in one call (docs/SCALE.md, "Measured on GPUs"): the device and
 # its software, then bench/bench_accelerator.py's and bench/bench_decode_kernels.py's rows, each
-# variant in a process of its own (XLA reads XLA_FLAGS once a process). Logs, the rows as JSON and
-# the traces go to $OUT (default /tmp/gpu_checks).
+# variant in a process of its own (XLA reads XLA_FLAGS once a process). The log (log.txt), the rows as
+# JSON (rows.jsonl) and the traces go to $OUT (default /tmp/gpu_checks): four files at most, as a lent
+# machine sends back eight.
 #
 #     bash bench/gpu_checks.sh [sample|decode|train|fp8|flags|all]     (default all)
 #
@@ -31,13 +32,14 @@ BENCH="$PY bench/bench_accelerator.py --configs gpt2_124m --json $OUT/rows.jsonl
 SAMPLE="$BENCH --kernels xla --loss_chunks preset --sample_only"
 TRAIN="$BENCH --kernels cudnn --loss_chunks preset --sample none --steps 3"
 
-run() {  # run NAME SECONDS XLA_FLAGS ARGS…: one variant, its log in $OUT/NAME.log, its last lines shown
+run() {  # run NAME SECONDS XLA_FLAGS ARGS…: one variant, its output added to $OUT/log.txt, its last lines shown
     local name=$1 seconds=$2 flags=$3
     shift 3
-    echo "=== $name (XLA_FLAGS='$flags')"
-    XLA_FLAGS="$flags" timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
-    echo "exit $?"
-    grep -E '^\{|Error|error' "$OUT/$name.log" | cut -c1-400 | tail -4
+    echo "=== $name (XLA_FLAGS='$flags')" | tee -a "$OUT/log.txt"
+    XLA_FLAGS="$flags" timeout "$seconds" "$@" > /tmp/variant.log 2>&1
+    echo "exit $?" | tee -a "$OUT/log.txt"
+    cat /tmp/variant.log >> "$OUT/log.txt"
+    grep -E '^\{|Error|error' /tmp/variant.log | cut -c1-400 | tail -4
 }
 
 traced() {  # traced FOLDER NAME: the perfetto trace jax.profiler wrote under FOLDER, as $OUT/NAME
@@ -64,7 +66,7 @@ if is decode; then
     run decode_trace 150 "" $SAMPLE --new 64 --profile /tmp/decode_trace
     traced /tmp/decode_trace decode_trace.json.gz
     run decode_kernels 150 "" $PY bench/bench_decode_kernels.py --topology here --batch 1 --weights compute
-    tail -5 "$OUT/decode_kernels.log"
+    tail -5 /tmp/variant.log
 fi
 if is flags; then
     run train_no_command_buffers 200 "--xla_gpu_enable_command_buffer=" $TRAIN
