@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from runs import save_params, write_run
 from scripts import load_script
@@ -110,6 +110,7 @@ def test_top_k_keeps_exactly_k_with_ties_to_the_lower_id():
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.floats(-4, 4, width=32, allow_subnormal=False), min_size=7, max_size=7), st.integers(1, 7))
+@example(values=[-0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], k=1)  # −0 and +0 tie: the lower id is kept
 def test_top_k_keeps_the_k_largest(values, k):
     want = set(sorted(range(7), key=lambda i: (-values[i], i))[:k])
     assert kept(sampling.top_k_filter(jnp.array(values), k)) == want

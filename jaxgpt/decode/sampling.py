@@ -42,7 +42,8 @@ def apply_temperature(logits, temperature):
 def top_k_filter(logits, k: int):
     """Keep exactly the k largest logits (ties go to the lower token id); the rest → −∞."""
     k = min(k, logits.shape[-1])
-    _, kept = jax.lax.top_k(logits, k)  # lax.top_k puts the lower index first among equals
+    # lax.top_k puts the lower index first among equals, but orders −0 below +0: one value here
+    _, kept = jax.lax.top_k(jnp.where(logits == 0, jnp.zeros_like(logits), logits), k)
     keep = jnp.put_along_axis(jnp.zeros(logits.shape, bool), kept, True, axis=-1, inplace=False)
     return jnp.where(keep, logits, -jnp.inf)
 
