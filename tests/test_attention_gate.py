@@ -8,7 +8,16 @@ import jax
 import numpy as np
 import pytest
 import reference as ref
-from test_model import RECIPE, decode_step_by_step, forward, init_params, random_params, tiny, tokens
+from test_model import (
+    RECIPE,
+    decodes_as_forward,
+    forward,
+    init_params,
+    matches_reference,
+    random_params,
+    tiny,
+    tokens,
+)
 
 from jaxgpt import GPTConfig, convert
 from jaxgpt.model import param_layout
@@ -25,24 +34,16 @@ CASES = {
 @pytest.mark.parametrize("changes", CASES.values(), ids=CASES.keys())
 def test_forward_matches_float64_reference(changes):
     cfg = tiny(**changes)
-    params = random_params(cfg)
-    x = tokens(cfg, 2, 9)
-    want = ref.gpt_forward(cfg, jax.device_get(params), np.asarray(x))
-    np.testing.assert_allclose(np.asarray(forward(cfg, params, x)), want, rtol=1e-4, atol=1e-4)
-    ungated = ref.gpt_forward(cfg.replace(attn_gate=0), jax.device_get(params), np.asarray(x))
+    _, want = matches_reference(cfg)
+    ungated = ref.gpt_forward(cfg.replace(attn_gate=0), jax.device_get(random_params(cfg)),
+                              np.asarray(tokens(cfg, 2, 9)))
     assert np.abs(want - ungated).max() > 1e-3  # the gate did act
 
 
 @pytest.mark.parametrize("form", [{}, {"attention": "local", "window": 3}, {"attention": "linear"}], ids=str)
 def test_decode_equals_forward(form):
     """The gate reads only its own token: a prefill and one-token steps compute what one pass does."""
-    cfg = tiny(attn_gate=5, **form)
-    params = random_params(cfg)
-    x = tokens(cfg, 2, 11)
-    full = forward(cfg, params, x)
-    for prompt_length in (1, 5):
-        cached = decode_step_by_step(cfg, params, x, prompt_length, max_length=cfg.block_size)
-        np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=1e-5)
+    decodes_as_forward(tiny(attn_gate=5, **form))
 
 
 def test_layout_groups_and_starting_point():

@@ -94,12 +94,17 @@ def tokens(cfg, batch, length, seed=0):
 @pytest.mark.parametrize("changes", VARIANTS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_forward_matches_float64_numpy_reference(changes):
     cfg = tiny(**changes)
-    params = random_params(cfg)
-    x = tokens(cfg, 2, 9)
-    got = forward(cfg, params, x)
+    got, _ = matches_reference(cfg)
     assert got.shape == (2, 9, cfg.vocab_size) and got.dtype == jnp.float32
-    want = ref.gpt_forward(cfg, jax.device_get(params), np.asarray(x))
+
+
+def matches_reference(cfg):
+    """(the model's logits, the float64 reference's) of random params on 2 rows of 9 tokens, checked
+    equal within 1e-4: what each switch's test of its forward pass asserts first."""
+    params, x = random_params(cfg), tokens(cfg, 2, 9)
+    got, want = forward(cfg, params, x), ref.gpt_forward(cfg, jax.device_get(params), np.asarray(x))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    return got, want
 
 
 @pytest.mark.parametrize("changes", VARIANTS[1:], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -159,16 +164,19 @@ def decode_step_by_step(cfg, params, x, prompt_length, max_length, compute=DEFAU
     return jnp.concatenate(outputs, axis=1)
 
 
+def decodes_as_forward(cfg, prompt_lengths=(1, 5), compute=DEFAULT):
+    """Check that a prefill of each prompt length and then one token at a time give the logits of one
+    pass over 2 rows of 11 tokens, within 1e-5 (a cache of block_size slots: partly filled at the end)."""
+    params, x = random_params(cfg), tokens(cfg, 2, 11)
+    full = forward(cfg, params, x)
+    for prompt_length in prompt_lengths:
+        cached = decode_step_by_step(cfg, params, x, prompt_length, max_length=cfg.block_size, compute=compute)
+        np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("positions", POSITIONS)
 def test_kv_cache_reproduces_full_forward(positions):
-    cfg = tiny(positions=positions)
-    params = random_params(cfg)
-    x = tokens(cfg, 2, 11)
-    full = forward(cfg, params, x)
-    for prompt_length in (1, 4, 11):
-        # a cache longer than the sequence: only partly filled at the end
-        cached = decode_step_by_step(cfg, params, x, prompt_length, max_length=cfg.block_size)
-        np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=1e-5)
+    decodes_as_forward(tiny(positions=positions), prompt_lengths=(1, 4, 11))
 
 
 @pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])

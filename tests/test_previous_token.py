@@ -8,7 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from test_model import decode_step_by_step, forward, init_params, random_params, tiny, tokens
+from test_model import (
+    decodes_as_forward,
+    forward,
+    init_params,
+    matches_reference,
+    random_params,
+    tiny,
+    tokens,
+)
 from test_sampling import PROMPTS, naive_greedy, run
 from test_sampling import tiny as tiny_sampled
 
@@ -22,11 +30,9 @@ BOTH = {"smear": True, "bigram_table": 29}
 @pytest.mark.parametrize("changes", [{"smear": True}, {"bigram_table": 29}, BOTH], ids=str)
 def test_forward_matches_float64_reference(changes):
     cfg = tiny(**changes)
-    params = random_params(cfg)
-    x = tokens(cfg, 2, 9)
-    want = ref.gpt_forward(cfg, jax.device_get(params), np.asarray(x))
-    np.testing.assert_allclose(np.asarray(forward(cfg, params, x)), want, rtol=1e-4, atol=1e-4)
-    assert not np.allclose(want, ref.gpt_forward(tiny(), jax.device_get(params), np.asarray(x)), atol=1e-3)
+    _, want = matches_reference(cfg)
+    without = ref.gpt_forward(tiny(), jax.device_get(random_params(cfg)), np.asarray(tokens(cfg, 2, 9)))
+    assert not np.allclose(want, without, atol=1e-3)
 
 
 def test_no_token_before_across_a_packed_example_or_position_zero():
@@ -56,13 +62,7 @@ def test_bigram_hash_is_the_documented_function():
 @pytest.mark.parametrize("form", [{}, {"attention": "local", "window": 3}, {"attention": "linear"}], ids=str)
 def test_decode_equals_forward(form):
     """Prefill a prompt, then one token at a time: each new token's predecessor comes from the cache."""
-    cfg = tiny(**BOTH, **form)
-    params = random_params(cfg)
-    x = tokens(cfg, 2, 11)
-    full = forward(cfg, params, x)
-    for prompt_length in (1, 5):
-        cached = decode_step_by_step(cfg, params, x, prompt_length, max_length=cfg.block_size)
-        np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=1e-5)
+    decodes_as_forward(tiny(**BOTH, **form))
 
 
 @pytest.mark.parametrize("form", [{}, {"attention": "linear", "positions": "rope"}], ids=str)

@@ -15,7 +15,15 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from processes import xla_flags
-from test_model import RECIPE, decode_step_by_step, forward, init_params, random_params, tiny, tokens
+from test_model import (
+    RECIPE,
+    decodes_as_forward,
+    forward,
+    init_params,
+    random_params,
+    tiny,
+    tokens,
+)
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, flops_per_token, init_cache, layout
 from jaxgpt.model import param_layout
@@ -45,13 +53,7 @@ def name(changes):
 def test_kv_cache_reproduces_full_forward(changes):
     changes = dict(changes)
     compute = ComputeConfig(kernel=changes.pop("kernel", "explicit"))
-    cfg = tiny(**changes)
-    params = random_params(cfg)
-    x = tokens(cfg, 2, 11)
-    full = forward(cfg, params, x)
-    for prompt_length in (1, 5):
-        cached = decode_step_by_step(cfg, params, x, prompt_length, max_length=cfg.block_size, compute=compute)
-        np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5, rtol=1e-5)
+    decodes_as_forward(tiny(**changes), compute=compute)
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
