@@ -50,7 +50,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxgpt.errors import tidy_cli_output
+from jaxgpt.errors import exit_without_a_last_collection, tidy_cli_output
 
 SPLITS = ("val", "train", "all")
 DEFAULT_BATCH_SIZE = 8
@@ -405,6 +405,7 @@ def calibrate(args, config, params, tokens, batch_size: int, stride) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     tidy_cli_output()
+    exit_without_a_last_collection()
     from absl import logging as absl_logging
 
     from jaxgpt.checkpoint import CheckpointError
@@ -413,9 +414,11 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         from jaxgpt.sharding import use_compilation_cache
+        from jaxgpt.train import programs
 
         use_compilation_cache(args.compilation_cache)  # a second evaluation loads its programs
-        result = evaluate(args)
+        with programs.keeping():  # and its eval step, untraced
+            result = evaluate(args)
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"eval.py: error: {err}", file=sys.stderr)
         return 2

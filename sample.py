@@ -47,7 +47,7 @@ from jaxgpt.config import ComputeConfig
 from jaxgpt.data.records import PRESETS
 from jaxgpt.decode import beam, sampling
 from jaxgpt.decode.text import TextStream, format_next_tokens, prompt_or_start
-from jaxgpt.errors import tidy_cli_output
+from jaxgpt.errors import exit_without_a_last_collection, tidy_cli_output
 from jaxgpt.model_config import DTYPES, WEIGHTS
 from jaxgpt.quantize import params_for
 from jaxgpt.registries import check_kernel
@@ -299,6 +299,7 @@ def load_model(args, compute: ComputeConfig):
 def main(argv=None) -> int:
     args = parse_args(argv)
     tidy_cli_output()
+    exit_without_a_last_collection()
     try:
         check_args(args)
         sharding.use_compilation_cache(args.compilation_cache)  # a second sample loads its programs

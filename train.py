@@ -32,7 +32,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, stop_while_starting)
 
 from jaxgpt.cli import overridden_keys, parse_config  # noqa: E402  (JAX's import takes seconds: Ctrl-C is ours first)
-from jaxgpt.errors import ConfigError, one_line, tidy_cli_output  # noqa: E402
+from jaxgpt.errors import ConfigError, exit_without_a_last_collection, one_line, tidy_cli_output  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.py"
 
@@ -56,6 +56,7 @@ def main(argv) -> int:
         return 0
     config = parse(argv)
     tidy_cli_output()
+    exit_without_a_last_collection()
     from absl import logging as absl_logging
 
     # orbax logs its notes, and its failures twice over (they reach jaxgpt as exceptions, reported in one line)

@@ -20,7 +20,10 @@ def get_config():
     config.train.update(
         steps=2000, batch_size=12, lr=1e-3, min_lr=1e-4, warmup_steps=100, decay_steps=2000,
         b1=0.9, b2=0.99, weight_decay=0.1, clip=1.0, eval_every=250, ckpt_every=250, log_every=10,
-        eval_batch_size=48,
+        # nanoGPT's estimate (eval_iters=20): 20 batches of 12 rows from each of two splits, 30,720
+        # tokens; here as many from the validation split, its first 480 windows (the whole split:
+        # --config.train.eval_max_batches=None)
+        eval_batch_size=48, eval_max_batches=10,
     )
     config.sample.update(prompt="\n", max_new_tokens=500)
     return config

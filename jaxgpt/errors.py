@@ -6,7 +6,9 @@ do; `one_line` turns a library's error (often many lines, sometimes a repr) into
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -55,6 +57,14 @@ def _without_reprs(line: str) -> str:
     while (shorter := _LIBRARY_REPR.sub("…", line)) != line:
         line = shorter
     return line
+
+
+def exit_without_a_last_collection() -> None:
+    """For command-line programs: at exit (atexit, before the interpreter finalises), every object
+    is left out of the garbage collector's passes (gc.freeze). The interpreter's last collection
+    walks the whole heap, JAX's and Flax's hundreds of thousands of objects, for nothing a
+    command needs: 0.3 s of each run on a 2-core CPU. Destructors and atexit handlers still run."""
+    atexit.register(gc.freeze)
 
 
 def tidy_cli_output() -> None:

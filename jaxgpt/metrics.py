@@ -79,23 +79,29 @@ def machine_key(dtype=jnp.float32) -> str:
     return f"{cpu_model()} | {cores} cores | jax {jax.__version__} | {jnp.dtype(dtype).name}"
 
 
+# Runs that measure the peak before it is trusted: the best of this many measurements, each
+# taken by another run (a moment's load lowers one, rarely three), is kept and used from then on.
+MEASUREMENTS = 3
+
+
 def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32, at_least: float = 0.0) -> float:
-    """The best matmul peak measured on this machine: measure_matmul_peak now, against the one
-    kept in `path` (peak_cache_path()) under machine_key(dtype). The kept peak only rises: a
-    measurement below it (the machine was busy) leaves it, a higher one replaces it, and so
-    does `at_least` > 0 (a throughput a run reached: the peak is never below it). An unreadable
-    file is rewritten. Returns the kept peak."""
+    """The best matmul peak measured on this machine, kept in `path` (peak_cache_path()) under
+    machine_key(dtype): until MEASUREMENTS runs have measured it, measure_matmul_peak now, and the
+    kept peak is the best so far; after that the kept one, unmeasured. The kept peak only rises: a
+    measurement below it (the machine was busy) leaves it, a higher one replaces it, and so does
+    `at_least` > 0 (a throughput a run reached: the peak is never below it, measured again). An
+    unreadable file is rewritten. Returns the kept peak."""
     path = Path(path or peak_cache_path())
     key = machine_key(dtype)
     try:
         peaks = json.loads(path.read_text())
-        kept = peaks.get(key) if isinstance(peaks.get(key), (int, float)) and peaks[key] > 0 else None
+        kept, measured = _kept_peak(peaks.get(key))
     except (OSError, ValueError, AttributeError):  # none yet, or not JSON, or not an object
-        peaks, kept = {}, None
+        peaks, kept, measured = {}, None, 0
+    if kept is not None and measured >= MEASUREMENTS and at_least <= kept:
+        return kept
     best = max(measure_matmul_peak(dtype), kept or 0.0, at_least)
-    if best == kept:
-        return float(kept)
-    peaks[key] = best
+    peaks[key] = {"peak": best, "measurements": measured + 1}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -103,7 +109,18 @@ def cached_matmul_peak(path: Path | None = None, dtype=jnp.float32, at_least: fl
         partial.replace(path)  # whole or not at all, however many processes write it
     except OSError:  # a read-only home: measured again next time, nothing worse
         pass
-    return peaks[key]
+    return best
+
+
+def _kept_peak(entry) -> tuple[float | None, int]:
+    """(the kept peak, how many runs measured it) of a peaks file's entry: {"peak", "measurements"},
+    or a bare number (as jaxgpt kept it before: one measurement); (None, 0) for anything else."""
+    if isinstance(entry, (int, float)) and not isinstance(entry, bool) and entry > 0:
+        return float(entry), 1
+    if isinstance(entry, dict) and isinstance(entry.get("peak"), (int, float)) and entry["peak"] > 0:
+        count = entry.get("measurements")
+        return float(entry["peak"]), count if isinstance(count, int) and count > 0 else 1
+    return None, 0
 
 
 def peak_flops(configured: float | None, cache: Path | None = None) -> float | None:

@@ -1,7 +1,8 @@
-"""Compiled train steps kept with what they were lowered from (jaxgpt.train.programs): a repeated
-run loads its step instead of tracing the model, and ends bit for bit where a run that traced and
-compiled it ends; anything its lowering reads, changed, lowers it again; a kept program that
-cannot be read back is compiled again."""
+"""Compiled programs kept with what they were lowered from (jaxgpt.train.programs): a repeated
+run loads its train step, init and eval step instead of tracing the model, and ends bit for
+bit where a run that traced and compiled them ends; anything its lowering reads, changed, lowers
+it again, and keeps it (though JAX's cache holds its code); a kept program that cannot be read
+back is compiled again."""
 
 import os
 import sys
@@ -12,51 +13,80 @@ import pytest
 from runs import tiny_config, write_corpus
 
 from jaxgpt import platforms
-from jaxgpt.train import programs
+from jaxgpt.train import evaluation, programs
 from jaxgpt.train import run as run_module
 
 
 @pytest.fixture
 def kept_in(tmp_path, monkeypatch):
-    """Programs kept under tmp_path/xla/programs for this test, and a count of the train steps lowered."""
+    """Programs kept under tmp_path/xla/programs for this test, and the names of the programs
+    lowered (train_step, init, eval_step), in order."""
     monkeypatch.setattr(programs, "folder", lambda: tmp_path / "xla" / programs.FOLDER)
+    monkeypatch.setattr(evaluation, "_EVAL_STEPS", {})  # eval steps this process made for other tests
     lowered = []
-    original = run_module.lower_train_step
-    monkeypatch.setattr(run_module, "lower_train_step", lambda *a, **k: lowered.append(1) or original(*a, **k))
+    original = programs.compiled
+
+    def counting(description, name, lower, compiler=None):
+        return original(description, name, lambda renamed: lowered.append(name) or lower(renamed), compiler)
+
+    monkeypatch.setattr(programs, "compiled", counting)
     return tmp_path / "xla" / programs.FOLDER, lowered
 
 
 def trained(tmp_path, name, **changes):
-    """A tiny run whose train step no other test compiles (its learning rate): XLA compiles it here,
-    not JAX's cache of the session, and only such a program is kept."""
+    """A tiny run whose train step no other test compiles (its learning rate)."""
     changes = {"train.lr": 1.23e-3, **changes}
     result = run_module.train(tiny_config(tmp_path, tmp_path / "corpus.txt", name, **changes), keep_programs=True)
     params = run_module.load_run(tmp_path / name)[0]
     return result, jax.tree.leaves(params)
 
 
-def test_a_repeated_run_loads_its_step_without_tracing_and_ends_bit_for_bit(tmp_path, kept_in):
+EVERY = ["train_step", "init", "eval_step"]
+
+
+def test_a_repeated_run_loads_its_programs_without_tracing_and_ends_bit_for_bit(tmp_path, kept_in):
     folder, lowered = kept_in
     write_corpus(tmp_path / "corpus.txt")
     first, first_params = trained(tmp_path, "first")
-    assert len(lowered) == 1 and len(list(folder.glob("*.pickle"))) == 1
+    assert sorted(lowered) == sorted(EVERY) and len(list(folder.glob("*.pickle"))) == 3
     again, again_params = trained(tmp_path, "again")
-    assert len(lowered) == 1  # nothing traced: the kept step ran
+    assert sorted(lowered) == sorted(EVERY)  # nothing traced: the kept programs ran
     assert again["train_loss"] == first["train_loss"] and again["val_loss"] == first["val_loss"]
     assert all(np.array_equal(a, b) for a, b in zip(first_params, again_params, strict=True))
-    other, _ = trained(tmp_path, "other", **{"train.lr": 3.21e-3})  # another setting: another program
-    assert len(lowered) == 2 and len(list(folder.glob("*.pickle"))) == 2 and other["train_loss"] != first["train_loss"]
+    other, _ = trained(tmp_path, "other", **{"train.lr": 3.21e-3})  # another setting: another step and init
+    assert sorted(lowered[3:]) == ["init", "train_step"] and len(list(folder.glob("*.pickle"))) == 5
+    assert other["train_loss"] != first["train_loss"]
+
+
+def test_programs_whose_key_changed_are_compiled_and_kept_though_jax_cache_holds_their_code(tmp_path, kept_in,
+                                                                                            monkeypatch):
+    """A run started otherwise (here another environment; or jaxgpt's files touched) lowers the
+    same code as before, which JAX's cache holds, and a program JAX reads from its cache cannot be
+    kept: each kept program's name carries its key, so XLA compiles it, and the next run so
+    started traces nothing."""
+    folder, lowered = kept_in
+    write_corpus(tmp_path / "corpus.txt")
+    alone = {"train.lr": 1.41e-3, "train.eval_batch_size": 5}  # programs no other test compiles
+    trained(tmp_path, "first", **alone)
+    monkeypatch.setitem(platforms.STARTED_WITH, "JAXGPT_TEST_START", "another")
+    trained(tmp_path, "second", **alone)
+    # the eval step, which this process holds already, is not made again
+    assert sorted(lowered) == sorted([*EVERY, "train_step", "init"]) and len(list(folder.glob("*.pickle"))) == 5
+    trained(tmp_path, "third", **alone)
+    assert len(lowered) == 5
 
 
 def test_a_kept_program_that_cannot_be_read_is_compiled_again(tmp_path, kept_in):
     folder, lowered = kept_in
     write_corpus(tmp_path / "corpus.txt")
     _, first_params = trained(tmp_path, "first", **{"train.lr": 1.37e-3})
-    (kept,) = folder.glob("*.pickle")
-    kept.write_bytes(b"\0not a program")
+    kept = list(folder.glob("*.pickle"))
+    for path in kept:
+        path.write_bytes(b"\0not a program")
     _, again_params = trained(tmp_path, "again", **{"train.lr": 1.37e-3})
-    assert len(lowered) == 2  # lowered again, and read from JAX's cache (which a kept program cannot be made of)
-    assert kept.read_bytes() == b"\0not a program"  # so nothing was kept in its place
+    # lowered again (but the eval step this process holds), and read from JAX's cache: not keepable
+    assert sorted(lowered) == sorted([*EVERY, "train_step", "init"])
+    assert all(path.read_bytes() == b"\0not a program" for path in kept)  # so nothing was kept in their place
     assert all(np.array_equal(a, b) for a, b in zip(first_params, again_params, strict=True))
 
 
@@ -89,9 +119,13 @@ def test_the_key_changes_with_the_settings_the_code_the_start_and_the_machine(tm
 
 
 def test_nothing_is_kept_where_the_compilation_cache_is_off():
+    lowered = []
     assert programs.folder() is not None
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        assert programs.folder() is None and programs.load("settings") == (None, None)
+        assert programs.folder() is None
+        with programs.keeping():
+            assert programs.compiled("settings", "program", lambda name: lowered.append(name) or jax.jit(
+                lambda x: x + 1).lower(1)).result()(1) == 2 and lowered == [None]  # lowered, unnamed, not kept
     finally:
         jax.config.update("jax_enable_compilation_cache", True)

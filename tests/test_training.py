@@ -225,11 +225,13 @@ def test_a_repeated_run_loads_its_programs_from_the_compilation_cache(tmp_path):
 
     written = programs()
     assert len(written) >= 3  # init, train step, eval step, sampling…
-    assert len(list((cache / "programs").glob("*.pickle"))) == 1  # the train step, kept to be loaded untraced
+    kept = {p.name: p.stat().st_mtime_ns for p in (cache / "programs").iterdir()}
+    assert len(kept) == 3 and all(name.endswith(".pickle") for name in kept)  # train step, init, eval step
     second = subprocess.run([*args, f"--config.run_dir={tmp_path / 'b'}"], capture_output=True, text=True, env=env,
                             timeout=240)
     assert second.returncode == 0, second.stderr[-2000:]
     assert programs() == written  # nothing compiled anew, nothing rewritten
+    assert {p.name: p.stat().st_mtime_ns for p in (cache / "programs").iterdir()} == kept  # read back, not made
 
 
 def test_a_seeded_step_draws_dropout_with_the_key_of_seed_and_step():

@@ -267,10 +267,12 @@ def batch_structs(mesh, rows: int, block_size: int, packed: bool, masked: bool =
 
 def _eval_program(gpt, mesh, params, rows: int, packed: bool, flops_per_token: float) -> Program:
     """The eval step as evaluation.py jits it, for a batch of train.eval_batch_size rows."""
+    import jax
+
     from jaxgpt.train import evaluation
 
     inputs, targets, mask, *rest = batch_structs(mesh, rows, gpt.cfg.block_size, packed, masked=True)
-    lowered = evaluation.ignoring_step(gpt).lower(params, inputs, targets, mask, -1, *rest)
+    lowered = jax.jit(evaluation.ignoring_step(gpt)).lower(params, inputs, targets, mask, -1, *rest)
     tokens = rows * gpt.cfg.block_size
     return Program("eval step", _compiled(lowered, "eval step"),
                    {"parameters": per_device_bytes(params), "optimizer state": 0,

@@ -23,10 +23,11 @@ USAGE = ("usage: python -m jaxgpt.harness [run] --model jaxgpt --model_args run_
 def main(argv: list[str] | None = None) -> int:
     from absl import logging as absl_logging
 
-    from jaxgpt.errors import one_line, tidy_cli_output
+    from jaxgpt.errors import exit_without_a_last_collection, one_line, tidy_cli_output
     from jaxgpt.harness import HARNESS_MISSING, INSTALL, args
 
     tidy_cli_output()
+    exit_without_a_last_collection()
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     argv = sys.argv[1:] if argv is None else list(argv)
     if HARNESS_MISSING is not None:  # every argument, --help's too, is the harness's to read

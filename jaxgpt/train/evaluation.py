@@ -14,13 +14,15 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt import data
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
-from jaxgpt.train.step import as_model, make_eval_step
+from jaxgpt.train import programs
+from jaxgpt.train.step import as_model, batch_fields, make_eval_step
 
 _EVAL_STEPS: dict = {}
 _CHUNK = 1 << 22  # tokens per pass over a (memory-mapped) split
@@ -63,9 +65,6 @@ def evaluate_examples(model: GPT | GPTConfig, params, examples: data.Examples, l
 def _evaluate(model, params, make_batch, count_batches, batch_size, bytes_per_token, batch_sharding, on_batch,
               ignore_id) -> dict:
     model = as_model(model)
-    if model not in _EVAL_STEPS:  # one compiled step per model, however often it is evaluated
-        _EVAL_STEPS[model] = ignoring_step(model)
-    eval_step = _EVAL_STEPS[model]
     if batch_sharding is None:
         batch_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     sums = np.zeros(3)  # Σ loss, count, ignored
@@ -73,7 +72,8 @@ def _evaluate(model, params, make_batch, count_batches, batch_size, bytes_per_to
     with data.DeviceBatches(make_batch, start_step=0, end_step=count_batches, batch_size=batch_size,
                             sharding=batch_sharding) as batches:
         for index, (x, y, m, *packed) in batches:
-            in_flight.append((index, eval_step(params, x, y, m, -1 if ignore_id is None else ignore_id, *packed)))
+            args = (params, x, y, m, np.int32(-1 if ignore_id is None else ignore_id), *packed)
+            in_flight.append((index, _program(model, args).result()(*args)))
             # read each batch's sums once the next batch is on its way: the devices never wait
             while len(in_flight) > (1 if index + 1 < count_batches else 0):
                 done, results = in_flight.popleft()
@@ -87,8 +87,33 @@ def _evaluate(model, params, make_batch, count_batches, batch_size, bytes_per_to
     return result if ignore_id is None else {**result, "val_ignored": int(ignored)}
 
 
+def prepare(model: GPT, params, batch_size: int, packed: bool, batch_sharding, compiler=None) -> None:
+    """Start making the eval step for `params` (arrays or their jax.ShapeDtypeStructs, shardings
+    included) and batches of `batch_size` rows laid out as `batch_sharding` (packed: a records
+    split's rows): read back or compiled on `compiler`'s thread (programs.compiled) while the caller
+    goes on (train.py: while the state is made); evaluate_tokens/evaluate_examples then find it."""
+    T = model.cfg.block_size
+    fields = batch_fields(batch_size, T, packed=True) if packed else (
+        ((batch_size, T), jnp.dtype(jnp.int32)), ((batch_size, T), jnp.dtype(jnp.int32)),
+        ((batch_size, T), jnp.dtype(bool)))
+    batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding) for shape, dtype in fields]
+    _program(model, (params, *batch[:3], jax.ShapeDtypeStruct((), jnp.int32), *batch[3:]), compiler)
+
+
+def _program(model: GPT, args: tuple, compiler=None) -> programs.Pending:
+    """The eval step for arguments like `args` (as programs.compiled gives it): one per model and
+    arguments' layout, however often it is evaluated; within programs.keeping, kept and read back
+    untraced."""
+    description = repr(("eval_step", model.cfg, model.compute, programs.abstract(args)))
+    if (model, description) not in _EVAL_STEPS:
+        _EVAL_STEPS[model, description] = programs.compiled(
+            description, "eval_step", lambda name: jax.jit(programs.renamed(ignoring_step(model), name)).lower(*args),
+            compiler)
+    return _EVAL_STEPS[model, description]
+
+
 def ignoring_step(model: GPT):
-    """The jitted eval step with the targets equal to `ignore_id` taken out of the mask:
+    """The eval step with the targets equal to `ignore_id` taken out of the mask:
     (Σ loss, count, how many were taken out)."""
     eval_step = make_eval_step(model)
 
@@ -97,7 +122,7 @@ def ignoring_step(model: GPT):
         loss_sum, count = eval_step(params, inputs, targets, mask & ~ignored, positions, segments)
         return loss_sum, count, ignored.sum()
 
-    return jax.jit(step)
+    return step
 
 
 def id_share(tokens, token_id: int | None) -> float:

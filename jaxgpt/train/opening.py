@@ -269,17 +269,18 @@ def row_layouts(config, corpus: data.Corpus, block_size: int) -> dict[str, data.
 # --- the state ------------------------------------------------------------------------------
 
 
-def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None) -> tuple[TrainState, TrainState, int]:
+def init_or_restore(run: Run, optimizer, key, abstract: TrainState | None = None, init=None
+                    ) -> tuple[TrainState, TrainState, int]:
     """(state, its shardings, the step to start at): restored from the newest intact
     checkpoint when resuming, else fresh (with a GPT-2 checkpoint's params for init_from).
     `key` is a PRNG key or an integer seed; `abstract` the state's abstract_state, when the
-    caller has it already."""
+    caller has it already; `init` the init program on its way (programs.Pending), if any."""
     abstract = abstract_state(run.gpt, optimizer, run.mesh) if abstract is None else abstract
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     if run.resuming:  # restored onto the shapes and shardings alone: nothing is initialised first
         state, step = _restore(run, abstract)
         return state, shardings, step
-    state = initialise_into(run.gpt, optimizer, key, shardings)
+    state = initialise_into(run.gpt, optimizer, key, shardings, init.result() if init is not None else None)
     if run.config.init_from:  # AdamW's fresh state is zeros whatever the params: only they change
         state = state.replace(params=rundir.init_params_from(run.config.init_from, run.model, run.compute,
                                                              shardings.params))

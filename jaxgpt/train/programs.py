@@ -13,22 +13,27 @@ CPU. A program kept here is found instead by a fingerprint of everything its low
                                          (jaxgpt.platforms.STARTED_WITH), and jax.config's values
     the machine                          the devices (platform, kind, id, process) and the CPU model
 
-A change to any of them lowers and compiles again (from JAX's cache where it can). Programs are
-kept beside JAX's cache (in its directory, under programs/), only where that cache is on, only
-by a single-process run, and only where the caller asks: train.py, whose process runs what its
-files say (a notebook may change a function in memory, which no file shows). A kept program
-that cannot be read back is compiled again: never an error.
+A change to any of them lowers and compiles again. The program is then named with its key
+(renamed), so XLA compiles it in the process rather than JAX's cache answering for it: only such
+a program can be kept. Programs are kept beside JAX's cache (in its directory, under programs/),
+only where that cache is on, only by a single-process run, and only within `keeping`: the
+commands whose process runs what their files say (train.py's train step and init, eval.py's and
+train.py's evaluation step; a notebook may change a function in memory, which no file shows).
+A kept program that cannot be read back is compiled again: never an error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 import pickle
 import sys
 import sysconfig
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -74,6 +79,12 @@ def fingerprint(description: str) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
+def abstract(tree) -> str:
+    """A description of arrays (or jax.ShapeDtypeStructs): their tree, shapes, dtypes and shardings."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return repr((str(treedef), [(a.shape, str(a.dtype), str(getattr(a, "sharding", None))) for a in leaves]))
+
+
 def folder() -> Path | None:
     """Where programs are kept: JAX's compilation cache directory's programs/, when it is on."""
     directory = jax.config.jax_compilation_cache_dir
@@ -82,16 +93,77 @@ def folder() -> Path | None:
     return Path(directory) / FOLDER
 
 
-def load(description: str) -> tuple[jax.stages.Compiled | None, str | None]:
-    """(the program kept for `description`, or None; its key, None where nothing is kept)."""
-    where = folder()
-    if where is None:
-        return None, None
-    key = fingerprint(description)
-    with contextlib.suppress(Exception):  # unreadable, truncated, from another jaxlib: compiled again
-        payload, in_tree, out_tree = pickle.loads((where / f"{key}.pickle").read_bytes())
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), key
-    return None, key
+def renamed(fn: Callable, name: str | None) -> Callable:
+    """`fn` under another name, which names the program JAX lowers it to (None: fn as it is).
+    A kept program's name ends with its key, so that JAX's cache, which finds a program by what
+    it lowers to, never answers for it: XLA compiles it in the process, and such a program can be
+    kept (compile_and_keep)."""
+    if name is None:
+        return fn
+
+    def program(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    program.__name__ = program.__qualname__ = name
+    return program
+
+
+class Pending:
+    """A compiled program on its way: `result()` waits for it. Read back or compiled in a
+    thread; lowered and compiled now if a kept one could not be read."""
+
+    def __init__(self, future: Future | None, fallback: Callable[[], jax.stages.Compiled]):
+        self._future, self._fallback, self._compiled = future, fallback, None
+
+    def result(self) -> jax.stages.Compiled:
+        if self._compiled is None:
+            compiled = self._future.result() if self._future is not None else None
+            self._compiled = compiled if compiled is not None else self._fallback()
+        return self._compiled
+
+
+_KEEPING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgpt_keeping_programs", default=False)
+
+
+@contextlib.contextmanager
+def keeping(on: bool = True):
+    """Within it, `compiled` keeps programs and reads kept ones back (a command whose process runs
+    what its files say: train.py, eval.py); outside it, it only lowers and compiles."""
+    token = _KEEPING.set(on)
+    try:
+        yield
+    finally:
+        _KEEPING.reset(token)
+
+
+def compiled(description: str, name: str, lower: Callable[[str | None], jax.stages.Lowered],
+             compiler: ThreadPoolExecutor | None = None) -> Pending:
+    """The program `lower(name)` lowers (`description` says everything it was lowered with):
+    within `keeping`, the one kept for the same fingerprint, read back on `compiler`'s thread
+    without tracing; else lowered here (by `lower`, under `name` and the key: renamed) and
+    compiled on `compiler`'s thread (None: now), then kept."""
+    where = folder() if _KEEPING.get() else None
+    key = fingerprint(description) if where is not None else None
+    run = (lambda fn, *a: _done(fn(*a))) if compiler is None else compiler.submit
+    if key is not None and (where / f"{key}.pickle").exists():
+        return Pending(run(_read, where / f"{key}.pickle"),
+                       lambda: compile_and_keep(key, lower(f"{name}_{key[:16]}")))
+    lowered = lower(None if key is None else f"{name}_{key[:16]}")
+    return Pending(run(compile_and_keep, key, lowered), lambda: None)
+
+
+def _done(value) -> Future:
+    done = Future()
+    done.set_result(value)
+    return done
+
+
+def _read(path: Path) -> jax.stages.Compiled | None:
+    """The program kept at `path`, or None: unreadable, truncated, from another jaxlib."""
+    with contextlib.suppress(Exception):
+        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    return None
 
 
 _CACHE_HITS = threading.local()  # JAX's persistent-cache hits of each thread's compiles
@@ -106,22 +178,22 @@ jax.monitoring.register_event_listener(_count_cache_hits)
 
 
 def compile_and_keep(key: str | None, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """lowered.compile(), kept under `key` (from load) when XLA compiled it here: a program JAX
-    read back from its own cache holds no code of its kernels on a CPU (jaxlib 0.10: loaded in
-    another process it fails, "Function … not found"), so it is not kept, and the next run
-    lowers again and reads it from JAX's cache as before."""
+    """lowered.compile(), kept under `key` when XLA compiled it here: a program JAX read back
+    from its own cache holds no code of its kernels on a CPU (jaxlib 0.10: loaded in another
+    process it fails, "Function … not found"), so it is not kept. (A kept program's name makes
+    that rare: only one lowered again after its keeping failed.)"""
     hits = getattr(_CACHE_HITS, "count", 0)
     compiled = lowered.compile()
     return keep(key, compiled) if getattr(_CACHE_HITS, "count", 0) == hits else compiled
 
 
 def keep(key: str | None, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
-    """Keep `compiled` (which XLA compiled in this process) under `key` (from load); returns it.
-    A program that cannot be written is simply not kept."""
+    """Keep `compiled` (which XLA compiled in this process) under `key`; returns it. A program
+    that cannot be written is simply not kept."""
     where = folder()
     if key is None or where is None:
         return compiled
-    partial = where / f"{key}.{os.getpid()}.tmp"
+    partial = where / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         where.mkdir(parents=True, exist_ok=True)
         partial.write_bytes(pickle.dumps(serialize_executable.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL))

@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,19 @@ from jaxgpt.errors import TrainingError, one_line
 from jaxgpt.model import GPT, flops_per_token, param_layout
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.score.completions import RUN_TEMPLATE, record_prompt, templates_named
-from jaxgpt.train import programs
+from jaxgpt.train import evaluation, programs
 from jaxgpt.train.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.train.opening import Run, compute_config, init_or_restore, leave_nothing, model_config, open_run
 from jaxgpt.train.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
-from jaxgpt.train.step import TrainState, abstract_state, ahead_weights, batch_fields, make_train_step, seeded
+from jaxgpt.train.step import (
+    TrainState,
+    abstract_state,
+    ahead_weights,
+    batch_fields,
+    lower_init,
+    make_train_step,
+    seeded,
+)
 
 # open_run, init_or_restore, Run, compute_config and model_config are jaxgpt.train.opening's, named here too
 __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "Run", "TrainingError", "compute_config", "init_or_restore", "load_run",
@@ -54,13 +62,13 @@ __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "Run", "TrainingError", "compute_con
 
 
 def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, abstract: TrainState, packed: bool,
-                     grad_accum: int | None = None):
+                     grad_accum: int | None = None, name: str | None = None):
     """train_step(state, batch, seed) lowered for the state `abstract` (shapes, dtypes and
     shardings) and batches of train_cfg's rows (packed: records' rows, else text windows),
     ready to compile; train.py and jaxgpt.compile both build it here. The step's dropout key,
     fold_in(key(seed), state.step), is made inside it: the loop runs one program per step.
     `grad_accum`: micro-batches of train.batch_size rows a step (None: train.grad_accum; a
-    batch-size schedule's steps take others)."""
+    batch-size schedule's steps take others). `name`: the program's (programs.renamed)."""
     accum = train_cfg.grad_accum if grad_accum is None else grad_accum
     batches = sharding.batch_sharding(mesh)
     fields = batch_fields(accum * train_cfg.batch_size, gpt.cfg.block_size, packed)
@@ -68,7 +76,7 @@ def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, ab
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), accum, shardings.params,
                            ahead_weights(train_cfg))
-    jitted = jax.jit(seeded(step), in_shardings=(shardings, (batches,) * len(batch), None),
+    jitted = jax.jit(programs.renamed(seeded(step), name), in_shardings=(shardings, (batches,) * len(batch), None),
                      out_shardings=(shardings, None), donate_argnums=0,
                      compiler_options=sharding.compiler_options(mesh))
     with jax.set_mesh(mesh):  # the activations keep their rows on their devices (axes.rows_split)
@@ -160,8 +168,8 @@ def train(config, explicit: Collection[str] = (), keep_programs: bool = False) -
         run = open_run(config, explicit)
         failed = True
         try:
-            with jax.set_mesh(run.mesh):  # every program traced here lays its activations out by the mesh (axes)
-                result = _train(run, stop, keep_programs)
+            with jax.set_mesh(run.mesh), programs.keeping(keep_programs):  # activations laid out by the mesh (axes)
+                result = _train(run, stop)
             failed = False
             return result
         finally:
@@ -171,50 +179,52 @@ def train(config, explicit: Collection[str] = (), keep_programs: bool = False) -
                 leave_nothing(run.directory, run.before)
 
 
-def _state_and_steps(run: Run, optimizer, keep: bool) -> tuple[TrainState, int, dict[int, Any]]:
+def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, Any]]:
     """(the state, the step to start at, the compiled train step of each batch's rows: one, or
     one per distinct rows of train.batch_schedule from the start on; none when no step is left).
-    XLA compiles the steps in a thread while the state is made or restored: a first run waits
-    for the longer of the two, not their sum."""
+    XLA compiles the steps and the init in threads (or they are read back, programs.keeping)
+    while the state is made or restored: a first run waits for the longest, not their sum."""
     tc = run.train
     abstract = abstract_state(run.gpt, optimizer, run.mesh)
     saved = max(run.checkpoints.steps(), default=0) if run.resuming else 0
     rows = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, saved, tc.steps)
-    with ThreadPoolExecutor(1, thread_name_prefix="jaxgpt-compile") as compiler:
-        compiling = {r: _kept_or_compiling(run, optimizer, abstract, r, compiler, keep) for r in rows} \
-            if saved < tc.steps else {}
-        state, _, start_step = init_or_restore(run, optimizer, tc.seed, abstract)
+    with ThreadPoolExecutor(2, thread_name_prefix="jaxgpt-compile") as compiler:
+        compiling = {r: _train_step(run, optimizer, abstract, r, compiler) for r in rows} if saved < tc.steps else {}
+        init = None if run.resuming or run.config.init_from else _init_program(run, optimizer, abstract, compiler)
+        if saved < tc.steps:  # the run's evaluations
+            evaluation.prepare(run.gpt, abstract.params, tc.eval_batch_size, run.corpus.records,
+                               sharding.batch_sharding(run.mesh), compiler)
+        state, _, start_step = init_or_restore(run, optimizer, tc.seed, abstract, init=init)
     if start_step >= tc.steps:
         return state, start_step, {}
     needed = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, start_step, tc.steps)
-    return state, start_step, {r: (compiling[r] if r in compiling else
-                                   _kept_or_compiling(run, optimizer, abstract, r, None, keep)).result()
-                               for r in needed}
+    return state, start_step, {r: (compiling[r] if r in compiling else _train_step(run, optimizer, abstract, r, None)
+                                   ).result() for r in needed}
 
 
-def _kept_or_compiling(run: Run, optimizer, abstract: TrainState, rows: int, compiler: ThreadPoolExecutor | None,
-                       keep: bool):
-    """The train step for batches of `rows`, as a future: with `keep`, the program a run with
-    the same description kept (jaxgpt.train.programs: no tracing); else lowered here and
-    compiled on `compiler`'s thread (None: now), then kept (with `keep`)."""
+def _init_program(run: Run, optimizer, abstract: TrainState, compiler: ThreadPoolExecutor) -> programs.Pending:
+    """The program that makes a fresh state in `abstract`'s shardings (step.lower_init), as
+    programs.compiled gives it."""
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    description = repr(("init", run.gpt.cfg, run.gpt.compute, run.train, [d.id for d in run.mesh.devices.flat],
+                        programs.abstract(abstract)))
+    return programs.compiled(description, "init", lambda name: lower_init(run.gpt, optimizer, shardings, name),
+                             compiler)
+
+
+def _train_step(run: Run, optimizer, abstract: TrainState, rows: int, compiler: ThreadPoolExecutor | None
+                ) -> programs.Pending:
+    """The train step for batches of `rows`: kept, or lowered here and compiled on `compiler`'s
+    thread (None: now), as programs.compiled does."""
     tc, accum = run.train, rows // run.train.batch_size
-    description = repr((run.gpt.cfg, run.gpt.compute, tc, run.corpus.records, accum, sharding.compiler_options(
-        run.mesh), dict(run.mesh.shape), [d.id for d in run.mesh.devices.flat],
-        jax.tree.map(lambda a: (a.shape, str(a.dtype), str(a.sharding)), abstract)))
-    kept, key = programs.load(description) if keep else (None, None)
-    if kept is not None:
-        done = Future()
-        done.set_result(kept)
-        return done
-    lowered = lower_train_step(run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records, accum)
-    if compiler is not None:
-        return compiler.submit(programs.compile_and_keep, key, lowered)
-    done = Future()
-    done.set_result(programs.compile_and_keep(key, lowered))
-    return done
+    description = repr(("train_step", run.gpt.cfg, run.gpt.compute, tc, run.corpus.records, accum,
+                        sharding.compiler_options(run.mesh), dict(run.mesh.shape),
+                        [d.id for d in run.mesh.devices.flat], programs.abstract(abstract)))
+    return programs.compiled(description, "train_step", lambda name: lower_train_step(
+        run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records, accum, name=name), compiler)
 
 
-def _train(run: Run, stop: StopRequested, keep_programs: bool = False) -> dict:
+def _train(run: Run, stop: StopRequested) -> dict:
     """The loop: init or restore, then for each step train, log, evaluate and save.
 
     A log step's metrics are read once the next step is dispatched, so the devices never
@@ -223,7 +233,7 @@ def _train(run: Run, stop: StopRequested, keep_programs: bool = False) -> dict:
     far was found finite."""
     tc = run.train
     optimizer = make_optimizer(tc, param_layout(run.gpt))
-    state, start_step, train_steps = _state_and_steps(run, optimizer, keep_programs)
+    state, start_step, train_steps = _state_and_steps(run, optimizer)
     tokens_per_step = tc.step_rows * run.model.block_size
     tokens_before = lambda step: run.model.block_size * batch_schedule.rows_before(  # noqa: E731
         tc.batch_schedule, tc.step_rows, step)

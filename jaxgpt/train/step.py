@@ -22,6 +22,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -30,6 +31,7 @@ from jaxgpt import axes, layout, ops, stack
 from jaxgpt.config import GPTConfig, TrainConfig
 from jaxgpt.loss import chunk_tokens, chunked, logits_fn, multi_token, score_targets
 from jaxgpt.model import GPT, param_layout, param_shapes
+from jaxgpt.train import programs
 
 
 @flax.struct.dataclass
@@ -232,10 +234,24 @@ def sharded_init(model: GPT | GPTConfig, optimizer, key, mesh):
     return initialise_into(model, optimizer, key, shardings), shardings
 
 
-def initialise_into(model: GPT | GPTConfig, optimizer, key, shardings: TrainState) -> TrainState:
+def initialise_into(model: GPT | GPTConfig, optimizer, key, shardings: TrainState, program=None) -> TrainState:
     """A fresh train state made directly in `shardings`, in one program: a large model never
-    materialises on one device. `key` is a PRNG key or an integer seed."""
-    def init(k):
-        return init_state(model, optimizer, k)
+    materialises on one device. `key` is a PRNG key or an integer seed; `program`, that program
+    compiled already for an integer seed (lower_init's), if the caller has it."""
+    if program is not None and not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        return program(np.int32(key))  # the seed's key is made inside: no program of its own
+    return jax.jit(_init(model, optimizer), out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key)
 
-    return jax.jit(init, out_shardings=shardings, compiler_options=INIT_COMPILER_OPTIONS)(key)
+
+def lower_init(model: GPT | GPTConfig, optimizer, shardings: TrainState, name: str | None = None):
+    """initialise_into's program, lowered for an integer seed (`name`: the program's, programs.renamed)."""
+    jitted = jax.jit(programs.renamed(_init(model, optimizer), name), out_shardings=shardings,
+                     compiler_options=INIT_COMPILER_OPTIONS)
+    return jitted.lower(jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def _init(model, optimizer):
+    def init(key):
+        return init_state(model, optimizer, key)
+
+    return init
