@@ -124,6 +124,10 @@ class TrainConfig:
     mtp_tokens: int = 1
     mtp_weight: float = 0.5
     mtp_fraction: float = 0.5
+    # the token embedding and the untied unembedding one table (W_U = Eᵀ, the embed group's) for the steps before
+    # round(untie_at · the schedule's steps: decay_steps, else steps), then two (jaxgpt.optim.tying); None: two all
+    # along. Needs model.tie_embeddings=False
+    untie_at: float | None = None
 
     def __post_init__(self):
         positive = ("steps", "eval_every", "eval_batch_size", "log_every", "ckpt_every",
@@ -158,6 +162,7 @@ class TrainConfig:
         self._check_optimizer()
         self._check_muon()
         self._check_schedule()
+        self._check_untie()
 
     def _check_batch(self) -> None:
         """A 0 (chosen) batch_size or grad_accum needs rows_per_step; the one set must divide it."""
@@ -234,6 +239,25 @@ class TrainConfig:
     def cooldown_steps(self) -> int:
         """wsd's cooldown: round(cooldown_fraction · schedule_steps) steps, ending at schedule_steps."""
         return round(self.cooldown_fraction * self.schedule_steps)
+
+    def _check_untie(self) -> None:
+        """untie_at a fraction in (0, 1) that leaves the schedule at least one tied step and one untied step."""
+        fraction, steps = self.untie_at, self.schedule_steps
+        if fraction is None:
+            return
+        _check_train(self, is_number(fraction) and 0 < fraction < 1, "untie_at", "None or a number in (0, 1): the "
+                     "share of the schedule's steps whose embedding and unembedding are one table")
+        if not 0 < self.untie_step < steps:
+            raise ConfigError(f"train.untie_at={fraction!r} unties at step {self.untie_step} of {self.schedule_key}="
+                              f"{steps}, which leaves no {'tied' if self.untie_step == 0 else 'untied'} step: "
+                              f"choose it in [{1 / steps:.3g}, {(steps - 1) / steps:.3g}]")
+
+    @property
+    def untie_step(self) -> int | None:
+        """The first step whose embedding and unembedding are two tables: round(untie_at · schedule_steps), as
+        multi-token prediction's fade and the learning rate are fractions of the schedule, so a run extended past
+        train.steps (decay_steps set) keeps it; None: never tied."""
+        return None if self.untie_at is None else round(self.untie_at * self.schedule_steps)
 
     def group_lr(self, group: str) -> float:
         """The peak learning rate of a parameter group: 'matrix' (lr), 'embed', 'head' or 'scalar'

@@ -205,7 +205,11 @@ def config_to_hf(cfg: GPTConfig, tokenizer: tokenizers.Tokenizer | None = None) 
         (cfg.unet_skips, "unet_skips=True: GPT-2's blocks read only the block before"),
         (cfg.smear, "smear=True: GPT-2 embeds each token alone, without the one before it"),
         (cfg.bigram_table > 0, f"bigram_table={cfg.bigram_table}: GPT-2 has no bigram hash embedding"),
+        (cfg.trigram_table > 0, f"trigram_table={cfg.trigram_table}: GPT-2 has no trigram hash embedding"),
         (cfg.attn_gate > 0, f"attn_gate={cfg.attn_gate}: GPT-2's heads are not gated"),
+        (cfg.key_offset, "key_offset=True: GPT-2's keys are each token's own"),
+        (bool(cfg.paired_heads), f"paired_heads={cfg.paired_heads!r}: GPT-2's heads attend apart"),
+        (cfg.dense_skips > 0, f"dense_skips={cfg.dense_skips}: GPT-2's blocks read only the block before"),
     ]
     problems = [reason for refused, reason in refusals if refused]
     if problems:

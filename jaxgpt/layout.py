@@ -47,15 +47,19 @@ LOGICAL_AXES = {
     "mlp_in": "the FFN's hidden width read by its second and later layers (ffn_layers > 1)",
     "layers": "the blocks stacked on one axis (compute.scan_layers)",
     "bigrams": "the rows of the bigram hash table (model.bigram_table)",
+    "trigrams": "the rows of the trigram hash table (model.trigram_table)",
     "value_dim": "a head's width in a value-embedding table's row (model.value_embeds): split as d_model is",
     "gate": "the few channels of d_model a gate reads (the smear's, the attention gate's)",
+    "skip_width": "the hidden width of the small MLP that reads a layer's dense-skip weights (model.dense_skips)",
+    "skip_sources": "the earlier hidden states a layer's dense skips weigh, one weight each (model.dense_skips)",
 }
 # Logical axis → the mesh axis it is split over (None: whole). One table for every parameter.
 RULES = (
     ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
     ("mlp_in", "fsdp"), ("positions", None), ("norm", None), ("head_dim", None), ("qkv", None), ("kv", None),
     ("layers", None),
-    ("bigrams", "tensor"), ("gate", None), ("value_dim", "fsdp"),
+    ("bigrams", "tensor"), ("trigrams", "tensor"), ("gate", None), ("value_dim", "fsdp"),
+    ("skip_width", None), ("skip_sources", None),
 )
 # Axes that must divide their mesh axis evenly (no silent replication): each device's query
 # heads read their own key/value heads. (One head, multi-query attention, is on every device.)

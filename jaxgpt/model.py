@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import layout, ops, previous, stack
-from jaxgpt.attention import FORMS, KERNELS, Where
+from jaxgpt.attention import FORMS, KERNELS, Where, kernels
 from jaxgpt.axes import rows_split
 from jaxgpt.blocks import layers_as, stack_layers, unstack_layers  # noqa: F401  (their home before jaxgpt.blocks)
 from jaxgpt.model_config import ComputeConfig, GPTConfig
@@ -155,6 +155,9 @@ class CausalSelfAttention(nn.Module):
     (cfg.attention: softmax, linear, local) and the kernel that computes it (compute.kernel)
     come from jaxgpt.attention. With value_embed (λ, VE[x]), V ← V + λ·VE[x] (jaxgpt.stack). With
     attn_gate = G, each head's context is scaled by a gate σ(x[:G] W_g + b_g)_h of the token (`gate`).
+    With key_offset the form offsets the keys it reads (ops.offset_keys). `paired` (a layer of
+    paired_heads; an array of the scan with compute.scan_layers): heads 2j and 2j+1 attend as one
+    sequence, rotated at 2p + i (kernels.paired, ops.pair_heads).
     Params: with n_kv_head = n_head, c_attn/kernel (d, 3, H, D)
     (GPT-2's layout); otherwise q_proj/kernel (d, H, D) and kv_proj/kernel (d, 2, H_kv, D).
     c_proj/kernel (H, D, d) is W_O.
@@ -192,7 +195,7 @@ class CausalSelfAttention(nn.Module):
         return ops.gate_heads(context, x, w, b)
 
     @nn.compact
-    def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True, value_embed=None):
+    def __call__(self, x, where: Where, layer_cache=None, *, deterministic=True, value_embed=None, paired=False):
         cfg = self.cfg
         scheme = SCHEMES[cfg.positions]
         q, k, v = self.project(x)
@@ -202,16 +205,31 @@ class CausalSelfAttention(nn.Module):
             q = RMSNorm(cfg, self.compute, axis="head_dim", name="q_norm")(q)
             k = RMSNorm(cfg, self.compute, axis="head_dim", name="k_norm")(k)
         rope = functools.partial(forms.rope, form=self.compute.rope)  # ops.rope in compute.rope's form
-        q, k = scheme.rotate(cfg, q, k, where.q_positions, rope)
+        kernel = KERNELS[self.kernel(where, deterministic)]
 
-        def on_weights(weights, whole: bool):
-            if whole:  # the (T, S) map of all the queries, for pictures
-                self.sow("intermediates", "attention_weights", weights)
-            return Dropout(cfg.dropout)(weights, deterministic)
+        def attend(module, q, k, v, where, layer_cache, paired: bool):
+            """The form's attention, q and k rotated at their positions: with paired heads, head 2j+i's
+            of token t at 2p_t + i, the places of their one sequence (ops.pair_positions)."""
+            if paired:
+                q, k = scheme.rotate(cfg, ops.pair_heads(q), ops.pair_heads(k), ops.pair_positions(where.q_positions),
+                                     rope)
+                q, k = ops.unpair_heads(q), ops.unpair_heads(k)
+            else:
+                q, k = scheme.rotate(cfg, q, k, where.q_positions, rope)
 
-        context, layer_cache = FORMS[cfg.attention].attend(
-            cfg, KERNELS[self.kernel(where, deterministic)], q, k, v, where, layer_cache,
-            lambda w: scheme.bias(cfg, w), on_weights)
+            def on_weights(weights, whole: bool):
+                if whole:  # the (T, S) map of all the queries, for pictures (paired: each head's, per token)
+                    module.sow("intermediates", "attention_weights", ops.unpair_weights(weights) if paired else weights)
+                return Dropout(cfg.dropout)(weights, deterministic)
+
+            return FORMS[cfg.attention].attend(cfg, kernels.paired(kernel) if paired else kernel, q, k, v, where,
+                                               layer_cache, lambda w: scheme.bias(cfg, w), on_weights)
+
+        if isinstance(paired, bool):
+            context, layer_cache = attend(self, q, k, v, where, layer_cache, paired)
+        else:  # a layer of compute.scan_layers: whether it pairs its heads is an array the scan reads
+            context, layer_cache = nn.cond(paired, functools.partial(attend, paired=True),
+                                           functools.partial(attend, paired=False), self, q, k, v, where, layer_cache)
         if cfg.attn_gate:
             context = self.gate(x, context)
         out = dense(self.compute)((cfg.d_model,), ("heads", "head_dim", "embed"), cfg,
@@ -248,18 +266,20 @@ class Block(nn.Module):
     """Pre-norm:  Y = X + MHA(LN₁(X)),  Z = Y + FFN(LN₂(Y))
     Post-norm: Y = LN₁(X + MHA(X)),  Z = LN₂(Y + FFN(Y))
     Parallel:  Z = X + MHA(LN₁(X)) + FFN(LN₁(X))
-    value_embed (λ, VE[x]) joins the attention's values (jaxgpt.stack)."""
+    value_embed (λ, VE[x]) joins the attention's values (jaxgpt.stack); paired: its attention pairs
+    its heads (a layer of paired_heads; CausalSelfAttention)."""
 
     cfg: GPTConfig
     compute: ComputeConfig
 
     @nn.compact
-    def __call__(self, x, where: Where, layer_cache=None, deterministic=True, value_embed=None):
+    def __call__(self, x, where: Where, layer_cache=None, deterministic=True, value_embed=None, paired=False):
         cfg, compute = self.cfg, self.compute
         ln_1 = make_norm(cfg, compute, "ln_1")
         attn, mlp = CausalSelfAttention(cfg, compute, name="attn"), MLP(cfg, compute, name="mlp")
         drop = lambda h: Dropout(cfg.dropout)(h, deterministic)  # noqa: E731
-        mha = lambda h: attn(h, where, layer_cache, deterministic=deterministic, value_embed=value_embed)  # noqa: E731
+        mha = lambda h: attn(h, where, layer_cache, deterministic=deterministic, value_embed=value_embed,  # noqa: E731
+                             paired=paired)
         ffn = lambda h: mlp(h, deterministic)  # noqa: E731
 
         if cfg.parallel_block:
@@ -382,12 +402,14 @@ class GPT(nn.Module):
 
     def blocks(self, x, tokens, where: Where, cache, positions, deterministic: bool, value_rows=None):
         """The n_layer blocks, each with its layer of the cache, and the paths around them
-        (jaxgpt.stack: value embeddings, U-net skips): (x, the layers' new caches)."""
+        (jaxgpt.stack: value embeddings, U-net and dense skips): (x, the layers' new caches)."""
         cfg, compute = self.cfg, self.compute
         # With remat, a block keeps only its weight-matmul outputs for the backward pass and
         # recomputes attention and the elementwise ops from them.
+        # In the loop a block's `paired` is a Python bool (static); the scan reads it from an array.
+        static = ("deterministic",) if compute.scan_layers else ("deterministic", "paired")
         block = nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                         static_argnums=argnums(Block.__call__, "deterministic")) if compute.remat else Block
+                         static_argnums=argnums(Block.__call__, *static)) if compute.remat else Block
         layer_caches = [None if cache is None else cache.layer(layer, positions) for layer in range(cfg.n_layer)]
         return stack.blocks(block, cfg, compute, x, tokens, where, layer_caches, deterministic,
                             normal(embedding_std(cfg)), value_rows)
@@ -441,7 +463,8 @@ def param_count(cfg: GPTConfig) -> int:
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the weight matmuls (forward 2N, backward 4N) plus
-    12·n_layer·n_head·head_dim·seq_len for QKᵀ and AV. N counts parameters used in matmuls: all but
+    12·n_layer·n_head·head_dim·seq_len for QKᵀ and AV (a layer of paired_heads counts twice: its H/2
+    sequences of 2T places hold 2·H·T² scores). N counts parameters used in matmuls: all but
     the lookup tables (their declared group: lookups cost no FLOPs), the token table counted back
     when no unembedding of its own is declared (tied: logits = x Eᵀ)."""
     declared = jax.tree.leaves(param_layout(cfg), is_leaf=layout.is_declared)
@@ -450,4 +473,4 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     if not any(group == "head" for group, _, _ in sizes):
         n += sum(size for group, names, size in sizes if group == "embed" and names == ("vocab", "embed"))
     span = seq_len if cfg.window is None else min(seq_len, cfg.window)  # the keys a query reads, at most
-    return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * span
+    return 6 * n + 12 * (cfg.n_layer + len(cfg.paired_heads)) * cfg.n_head * cfg.head_dim * span

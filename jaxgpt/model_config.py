@@ -72,6 +72,26 @@ def value_embed_layers(value_embeds, n_layer: int) -> dict[int, int]:
     return found
 
 
+def paired_heads_tuple(paired_heads) -> tuple[int, ...]:
+    """GPTConfig.paired_heads as a tuple of ints (a saved config's list too); ValueError (one line) otherwise."""
+    if not isinstance(paired_heads, (list, tuple)) or not all(is_int(layer) for layer in paired_heads):
+        raise ValueError(f"GPTConfig.paired_heads={paired_heads!r}: must be a tuple of layer indices whose heads are "
+                         "paired, e.g. (0, 2, -1); () for none")
+    return tuple(int(layer) for layer in paired_heads)
+
+
+def paired_layers(paired_heads, n_layer: int) -> frozenset[int]:
+    """The layers (0 … L−1) GPTConfig.paired_heads names (a negative index counts from the end: −1 is the
+    last layer). ValueError (one line) for a layer that does not exist or is named twice."""
+    found = [layer % n_layer for layer in paired_heads_tuple(paired_heads) if -n_layer <= layer < n_layer]
+    if len(found) < len(paired_heads):
+        raise ValueError(f"GPTConfig.paired_heads={tuple(paired_heads)!r}: n_layer={n_layer} has layers 0 … "
+                         f"{n_layer - 1} (or −{n_layer} … −1 from the end)")
+    if len(set(found)) < len(found):
+        raise ValueError(f"GPTConfig.paired_heads={tuple(paired_heads)!r}: a layer is named twice")
+    return frozenset(found)
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """A GPT's shape and choices. Defaults are GPT-2's: learned positions, pre-norm LayerNorm,
@@ -114,9 +134,20 @@ class GPTConfig:
     unet_skips: bool = False  # the input of layer L−1−i gets w_i times the output of layer i, for i < L//2
     smear: bool = False  # e_t + λ·σ(w·e_t[:12])·e_{t−1}: a gated share of the token before (jaxgpt.previous)
     bigram_table: int = 0  # M > 0: a table of M rows indexed by a hash of (x_{t−1}, x_t), added to e_t; 0: none
+    trigram_table: int = 0  # M > 0: a table of M rows indexed by a hash of (x_{t−2}, x_{t−1}, x_t), added to e_t
     # G > 0: each head's context C_h is scaled by σ(x[:G] W_g + b_g)_h, a gate read from the first G features of
     # the attention's input x (modded-nanogpt's attention gate reads 12); 0: no gate
     attn_gate: int = 0
+    # w > 0: MUDD-style dense skips (jaxgpt.stack): the input of every layer ℓ ≥ 1 is the last hidden state plus
+    # Σ_{j<ℓ} a_ℓj(t)·h_j over the earlier ones (h_0 the embeddings), a_ℓ(t) read from the token's last state by a
+    # small MLP of width w (modded-nanogpt's is 64); 0: none
+    dense_skips: int = 0
+    # the partial key offset: with the positions and QK-norm applied, each key's second half of channels (d ≥ D/2)
+    # is the key's of the token before it, in the same example (so one layer can do induction)
+    key_offset: bool = False
+    # the layers whose heads 2j and 2j+1 attend as one sequence of 2T places, token t's head 2j at place 2t and
+    # head 2j+1 at 2t+1 (their queries see each other's keys), e.g. (0, 2, -1); () none
+    paired_heads: tuple = ()
 
     def _resolve_defaults(self):
         """d_ff, head_dim and n_kv_head left as None take the values they mean."""
@@ -134,9 +165,20 @@ class GPTConfig:
             object.__setattr__(self, "n_kv_head", self.n_head)
 
     def _check_heads(self):
+        """n_kv_head dividing n_head; the key offset a bool; paired heads on layers that exist, in pairs of
+        heads that each have their own keys."""
         if self.n_head % self.n_kv_head:
             raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}: "
                              f"choose n_kv_head among the divisors of n_head")
+        _check_bool("GPTConfig", "key_offset", self.key_offset)
+        object.__setattr__(self, "paired_heads", paired_heads_tuple(self.paired_heads))  # a saved config's list
+        if self.paired_heads and self.n_head % 2:
+            raise ValueError(f"GPTConfig.paired_heads={self.paired_heads!r} with n_head={self.n_head}: heads are "
+                             "paired 2j with 2j+1, so n_head must be even")
+        if self.paired_heads and self.n_kv_head != self.n_head:
+            raise ValueError(f"GPTConfig.paired_heads={self.paired_heads!r} with n_kv_head={self.n_kv_head}: paired "
+                             f"heads read each other's keys, one key head each; set n_kv_head={self.n_head} (or none)")
+        paired_layers(self.paired_heads, self.n_layer)
 
     def __post_init__(self):
         self._resolve_defaults()
@@ -169,20 +211,30 @@ class GPTConfig:
             )
 
     def _check_stack(self):
-        """value_embeds on layers that exist, U-net skips with two layers to pair, a bigram table of
-        at least 2 rows, an attention gate that reads features x has."""
+        """value_embeds on layers that exist, U-net skips with two layers to pair, bigram and trigram
+        tables of at least 2 rows, an attention gate that reads features x has, dense skips with a
+        width and a second layer."""
         value_embed_layers(self.value_embeds, self.n_layer)
         if self.unet_skips and self.n_layer < 2:
             raise ValueError(f"GPTConfig.unet_skips=True with n_layer={self.n_layer}: a U-net pairs layer i with layer "
                              "L−1−i and needs n_layer ≥ 2; set unet_skips=False or add layers")
-        size = self.bigram_table
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
-            raise ValueError(f"GPTConfig.bigram_table={size!r}: must be 0 (no bigram embedding) or the rows of its "
-                             f"table, at least 2 (one is kept for a token with none before; e.g. 5·vocab_size)")
+        for gram, lacking in (("bigram", "none before"), ("trigram", "fewer than two before")):
+            size = getattr(self, f"{gram}_table")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size == 1:
+                raise ValueError(f"GPTConfig.{gram}_table={size!r}: must be 0 (no {gram} embedding) or the rows of its "
+                                 f"table, at least 2 (one is kept for a token with {lacking}; e.g. 5·vocab_size)")
         gate = self.attn_gate
         if isinstance(gate, bool) or not isinstance(gate, int) or not 0 <= gate <= self.d_model:
             raise ValueError(f"GPTConfig.attn_gate={gate!r}: must be 0 (no attention gate) or the number of the "
                              f"attention input's leading features its gate reads, 1 … d_model={self.d_model} (e.g. 12)")
+        width = self.dense_skips
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ValueError(f"GPTConfig.dense_skips={width!r}: must be 0 (no dense skips) or the width of the small "
+                             "MLP that reads each layer's skip weights, a positive integer (e.g. 64)")
+        if width and self.n_layer < 2:
+            raise ValueError(f"GPTConfig.dense_skips={width} with n_layer={self.n_layer}: a layer's dense skips read "
+                             "the hidden states before its last one, which only a second layer has; set "
+                             "dense_skips=0 or add layers")
 
     def replace(self, **changes) -> GPTConfig:
         """A copy with some fields changed (validated again). d_ff, head_dim and n_kv_head that

@@ -85,6 +85,58 @@ def share_kv_heads(kv, n_head):
     return jnp.repeat(kv, n_head // kv.shape[-2], axis=-2)
 
 
+def follows(positions, segments=None):
+    """f_s = [p_{s−1} = p_s − 1 and seg_{s−1} = seg_s] for s ≥ 1, f_0 = False: whether entry s − 1 of a row
+    holds the token just before entry s's, of the same example (jaxgpt.previous's rule); positions (B, S)
+    or (1, S), segments (B, S) or None → (B, S)."""
+    inside = positions[:, :-1] == positions[:, 1:] - 1
+    if segments is not None:
+        inside = inside & (segments[:, :-1] == segments[:, 1:])
+    return jnp.concatenate([jnp.zeros((inside.shape[0], 1), bool), inside], axis=1)
+
+
+def offset_keys(k, k_before, has_before):
+    """The partial key offset: k'_s = (k_s[:D/2], k_before_s[D/2:]) where has_before_s, else k_s: each key's
+    second half of channels taken from the key of the token before it, for k, k_before (B,S,H,D) (k_before_s:
+    the key of the token before s's) and has_before (B,S) (whether s has one)."""
+    half = k.shape[-1] // 2
+    second = jnp.where(has_before[:, :, None, None], k_before[..., half:], k[..., half:])
+    return jnp.concatenate([k[..., :half], second.astype(k.dtype)], axis=-1)
+
+
+def pair_heads(x):
+    """Paired heads' one sequence: y[b, 2t+i, j] = x[b, t, 2j+i] for i ∈ {0, 1}, x (B,T,H,D) → (B,2T,H/2,D):
+    heads 2j and 2j+1 interleaved token by token."""
+    B, T, H, D = x.shape
+    return x.reshape(B, T, H // 2, 2, D).swapaxes(2, 3).reshape(B, 2 * T, H // 2, D)
+
+
+def unpair_heads(y):
+    """pair_heads's inverse: x[b, t, 2j+i] = y[b, 2t+i, j], y (B,2T,H/2,D) → (B,T,H,D)."""
+    B, T2, J, D = y.shape
+    return y.reshape(B, T2 // 2, 2, J, D).swapaxes(2, 3).reshape(B, T2 // 2, 2 * J, D)
+
+
+def pair_positions(positions):
+    """The positions of pair_heads's sequence: 2p + i at place 2t+i, for positions p (B,T) → (B,2T)."""
+    doubled = 2 * positions[:, :, None] + jnp.arange(2, dtype=positions.dtype)
+    return doubled.reshape(positions.shape[0], -1)
+
+
+def pair_segments(segments):
+    """The segments of pair_heads's sequence: seg_t at places 2t and 2t+1, (B,T) → (B,2T)."""
+    return jnp.repeat(segments, 2, axis=1)
+
+
+def unpair_weights(weights):
+    """Paired heads' weights a_j[2t+i, 2s+i'] (B,H/2,2T,2S) read per head and token: w_{2j+i}[t, s] =
+    Σ_{i'} a_j[2t+i, 2s+i'], the weight query head 2j+i at token t gives token s's keys (either head's):
+    (B,H,T,S), each row summing to 1 as the plain heads' do."""
+    B, J, T2, S2 = weights.shape
+    per_token = weights.reshape(B, J, T2 // 2, 2, S2 // 2, 2).sum(axis=-1)
+    return per_token.swapaxes(2, 3).reshape(B, 2 * J, T2 // 2, S2 // 2)
+
+
 # --- linear attention ------------------------------------------------------------------
 
 LINEAR_EPS = 1e-6  # keeps φ(q)ᵀz + ε > 0: with φ = relu, φ(q)ᵀz can be exactly 0

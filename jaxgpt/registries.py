@@ -57,6 +57,7 @@ def check_model(cfg: GPTConfig) -> GPTConfig:
         raise ValueError(f"GPTConfig.attention={cfg.attention!r} with positions={cfg.positions!r}: the scheme "
                          f"asks softmax scores for a {' and a '.join(scheme.asks)}, and this form forms none; use "
                          f"positions={plain}")
+    check_key_offset_and_pairs(cfg)
     defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
     for name, other in FORMS.items():
         for key in other.keys:
@@ -67,6 +68,24 @@ def check_model(cfg: GPTConfig) -> GPTConfig:
         raise ValueError(f"GPTConfig.ffn_layers={cfg.ffn_layers} with the gated activation "
                          f"{cfg.activation!r}: a deep FFN needs an ungated activation (gelu, relu, silu, …)")
     return cfg
+
+
+def check_key_offset_and_pairs(cfg: GPTConfig) -> None:
+    """The key offset and paired heads on a form that computes them (Form.offsets_keys, Form.pairs_heads),
+    paired heads on a scheme that asks no bias of the scores; a one-line ValueError otherwise."""
+    form, scheme = FORMS[cfg.attention], SCHEMES[cfg.positions]
+    able = lambda ability: " or ".join(repr(n) for n, f in FORMS.items() if getattr(f, ability))  # noqa: E731
+    if cfg.key_offset and not form.offsets_keys:
+        raise ValueError(f"GPTConfig.key_offset=True with attention={cfg.attention!r}: its keys are not kept one by "
+                         f"one to take a half from the one before; use attention={able('offsets_keys')}")
+    if cfg.paired_heads and not form.pairs_heads:
+        raise ValueError(f"GPTConfig.paired_heads={cfg.paired_heads!r} with attention={cfg.attention!r}: paired heads "
+                         f"are one causal softmax over 2T places, no window; use attention={able('pairs_heads')} (or "
+                         "paired_heads=())")
+    if cfg.paired_heads and scheme.asks:
+        raise ValueError(f"GPTConfig.paired_heads={cfg.paired_heads!r} with positions={cfg.positions!r}: its bias is "
+                         "each head's by distance, and paired heads share one sequence of 2T places; use "
+                         "positions='rope' (or learned, sinusoidal, none)")
 
 
 def open_model(values: Mapping[str, Any]) -> GPTConfig:

@@ -146,12 +146,18 @@ def gpt_forward(cfg, params, tokens):
         vh = np.stack([kv[1][:, :, h // group] for h in range(H)], axis=2)
         return qh, kh, vh
 
-    def mha(x, q):
+    def mha(x, q, layer):
         qh, kh, vh = project(x, q)
         if cfg.qk_norm:  # each head's q and k over its D values
             qh, kh = rms_norm(qh, q["q_norm"]["scale"], cfg.norm_eps), rms_norm(kh, q["k_norm"]["scale"], cfg.norm_eps)
-        if cfg.positions == "rope":
+        paired = layer in {i % cfg.n_layer for i in cfg.paired_heads}
+        if cfg.positions == "rope" and paired:  # head 2j+i of token t at place 2t + i of its pair's sequence
+            qh, kh = (np.stack([rope(a[:, :, h:h + 1], 2 * positions + h % 2, cfg.rope_base)[:, :, 0]
+                                for h in range(H)], axis=2) for a in (qh, kh))
+        elif cfg.positions == "rope":
             qh, kh = rope(qh, positions, cfg.rope_base), rope(kh, positions, cfg.rope_base)
+        if cfg.key_offset:
+            kh = key_offset(kh, positions)
         mask = np.tril(np.ones((T, T), bool))
         if cfg.window is not None:  # local: 0 ≤ t − s < window
             mask &= np.triu(np.ones((T, T), bool), k=-(cfg.window - 1))
@@ -161,6 +167,8 @@ def gpt_forward(cfg, params, tokens):
             bias = np.stack([-m * (i - j) for m in alibi_slopes(H)])[None]
         if cfg.attention == "linear":
             ctx = linear_attention_recurrent(qh, kh, vh, cfg.linear_feature)
+        elif paired:
+            ctx = paired_attention(qh, kh, vh)
         else:
             ctx = attention(qh, kh, vh, mask, bias)
         if cfg.attn_gate:
@@ -180,17 +188,24 @@ def gpt_forward(cfg, params, tokens):
         x = x + p["wpe"]["embedding"][:T]
     elif cfg.positions == "sinusoidal":
         x = x + sinusoidal(T, d)
+    states = [x]  # h_0 (the embeddings), then each block's output: what the dense skips weigh
     for layer in range(cfg.n_layer):
         q = p[f"h_{layer}"]
+        source = cfg.n_layer - 1 - layer
+        if cfg.unet_skips and source < min(layer, cfg.n_layer // 2):  # + w_i h_{i+1}, h_{i+1} block i's output
+            x = x + p["unet"][f"w_{source}"] * states[source + 1]
+        if cfg.dense_skips and layer >= 1:  # + Σ_{j<ℓ} a_ℓj h_j, from the last state h_ℓ = states[ℓ]
+            x = x + dense_skips(states, p["dense_skips"], layer, cfg.norm_eps)
         if cfg.parallel_block:
             h = norm(x, q["ln_1"])
-            x = x + mha(h, q["attn"]) + ffn(h, q["mlp"])
+            x = x + mha(h, q["attn"], layer) + ffn(h, q["mlp"])
         elif cfg.norm_position == "pre":
-            y = x + mha(norm(x, q["ln_1"]), q["attn"])
+            y = x + mha(norm(x, q["ln_1"]), q["attn"], layer)
             x = y + ffn(norm(y, q["ln_2"]), q["mlp"])
         else:
-            y = norm(x + mha(x, q["attn"]), q["ln_1"])
+            y = norm(x + mha(x, q["attn"], layer), q["ln_1"])
             x = norm(y + ffn(y, q["mlp"]), q["ln_2"])
+        states.append(x)
     x = norm(x, p["ln_f"])
     W_U = E.T if cfg.tie_embeddings else p["lm_head"]["kernel"]
     logits = x @ W_U + p["logits_bias"] if cfg.logits_bias else x @ W_U
@@ -198,6 +213,25 @@ def gpt_forward(cfg, params, tokens):
         c = cfg.logit_softcap
         logits = c * np.tanh(logits / c)
     return logits
+
+
+def dense_skips(states, p, layer, eps):
+    """Σ_{j<ℓ} a_ℓj(t) h_j(t) for layer ℓ, token by token, with h_ℓ = states[ℓ] its last hidden state and
+    a_ℓj(t) = Σ_k W2_ℓ[k,j] GELU(Σ_i W1_ℓ[i,k] h_ℓ,i(t) / √(mean_i h_ℓ,i(t)² + ε)) + b_ℓ[j], GELU exact."""
+    w1, w2, b = p[f"w1_{layer}"], p[f"w2_{layer}"], p[f"b_{layer}"]
+    last = states[layer]
+    B, T, d = last.shape
+    out = np.zeros((B, T, d))
+    for bi in range(B):
+        for t in range(T):
+            h = last[bi, t]
+            rms = math.sqrt(sum(v * v for v in h) / d + eps)
+            u = [sum(h[i] / rms * w1[i, k] for i in range(d)) for k in range(w1.shape[1])]
+            g = [v * 0.5 * (1 + math.erf(v / math.sqrt(2))) for v in u]
+            for j in range(layer):
+                a = sum(g[k] * w2[k, j] for k in range(len(g))) + b[j]
+                out[bi, t] += a * states[j][bi, t]
+    return out
 
 
 def gate_heads(ctx, x, w, b):
@@ -213,15 +247,52 @@ def gate_heads(ctx, x, w, b):
     return out
 
 
+def key_offset(k, positions, segments=None):
+    """k'[b,s,h] = (k[b,s,h,:D/2], k[b,s−1,h,D/2:]) where entry s−1 is the token at position p_s − 1 of the
+    same segment, else k[b,s,h] as it is, entry by entry."""
+    out = k.copy()
+    B, S, _, D = k.shape
+    segments = np.zeros((B, S), int) if segments is None else segments
+    for b in range(B):
+        for s in range(1, S):
+            if positions[b, s - 1] == positions[b, s] - 1 and segments[b, s - 1] == segments[b, s]:
+                out[b, s, :, D // 2:] = k[b, s - 1, :, D // 2:]
+    return out
+
+
+def paired_attention(q, k, v):
+    """Heads 2j and 2j+1 as one sequence of 2T places, head 2j+i of token t at place 2t+i: the query at place
+    2t+i sees the keys at places 2s+i' ≤ 2t+i, of both heads; out[b,t,2j+i] = Σ softmax(q·k/√D) v over them."""
+    B, T, H, D = q.shape
+    out = np.zeros((B, T, H, D))
+    for b in range(B):
+        for j in range(H // 2):
+            for t in range(T):
+                for i in (0, 1):
+                    seen = [(s, 2 * j + i2) for s in range(T) for i2 in (0, 1) if 2 * s + i2 <= 2 * t + i]
+                    scores = np.array([q[b, t, 2 * j + i] @ k[b, s, h] / math.sqrt(D) for s, h in seen])
+                    weights = softmax(scores)
+                    out[b, t, 2 * j + i] = sum(w * v[b, s, h] for w, (s, h) in zip(weights, seen, strict=True))
+    return out
+
+
 def bigram_hash(before, token, table_size):
     """((36313·x_t) xor (27191·x_{t−1}) mod 2³²) mod (M − 1), in Python's integers."""
     return (((36313 * token) % 2**32) ^ ((27191 * before) % 2**32)) % (table_size - 1)
 
 
+def trigram_hash(before2, before, token, table_size):
+    """m = (0x9E3779B1·x_t xor 0x85EBCA77·x_{t−1} xor 0xC2B2AE3D·x_{t−2}) mod 2³², then (m xor ⌊m / 2¹⁶⌋) mod
+    (M − 1), in Python's integers."""
+    m = ((0x9E3779B1 * token) % 2**32) ^ ((0x85EBCA77 * before) % 2**32) ^ ((0xC2B2AE3D * before2) % 2**32)
+    return (m ^ (m // 2**16)) % (table_size - 1)
+
+
 def previous_token_embedding(cfg, p, tokens, positions=None, segments=None):
-    """E[x_t], plus the smear λ·σ(w·E[x_t][:g])·E[x_{t−1}] and the bigram row B[h(x_{t−1}, x_t)] (row M − 1
-    without a token before), token by token; x_{t−1} is the token before iff it is at position p_t − 1 of
-    the same segment."""
+    """E[x_t], plus the smear λ·σ(w·E[x_t][:g])·E[x_{t−1}], the bigram row B[h(x_{t−1}, x_t)] (row M − 1
+    without a token before) and the trigram row C[h(x_{t−2}, x_{t−1}, x_t)] (row M' − 1 without two), token
+    by token; x_{t−1} is the token before iff it is at position p_t − 1 of the same segment, x_{t−2} the
+    token two before iff it is at position p_t − 2 of the same segment and x_{t−1} is."""
     E = p["wte"]["embedding"]
     B, T = tokens.shape
     positions = np.tile(np.arange(T), (B, 1)) if positions is None else positions
@@ -238,6 +309,11 @@ def previous_token_embedding(cfg, p, tokens, positions=None, segments=None):
             if cfg.bigram_table:
                 row = bigram_hash(before, token, cfg.bigram_table) if has else cfg.bigram_table - 1
                 x[b, t] += p["previous"]["bigram"][row]
+            has2 = has and t > 1 and positions[b, t - 2] == positions[b, t] - 2 and segments[b, t - 2] == segments[b, t]
+            if cfg.trigram_table:
+                M = cfg.trigram_table
+                row = trigram_hash(int(tokens[b, t - 2]), before, token, M) if has2 else M - 1
+                x[b, t] += p["previous"]["trigram"][row]
     return x
 
 

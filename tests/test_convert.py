@@ -179,6 +179,10 @@ SAVE_REFUSED = {
     "qk-norm": (dict(qk_norm=True), "qk_norm=True"),
     "soft-capped logits": (dict(logit_softcap=30.0), "logit_softcap=30.0"),
     "attention gate": (dict(attn_gate=4), "attn_gate=4: GPT-2's heads are not gated"),
+    "key offset": (dict(key_offset=True), "key_offset=True: GPT-2's keys are each token's own"),
+    "paired heads": (dict(paired_heads=(0,)), r"paired_heads=\(0,\): GPT-2's heads attend apart"),
+    "trigram table": (dict(trigram_table=8), "trigram_table=8: GPT-2 has no trigram hash embedding"),
+    "dense skips": (dict(dense_skips=4), "dense_skips=4: GPT-2's blocks read only the block before"),
 }
 
 

@@ -113,14 +113,18 @@ def test_weights_without_targets_ahead_are_said_to_be_unused():
 
 
 def test_a_run_with_every_switch_resumes_as_it_would_have_gone_on(tmp_path):
-    """smear, the bigram table, the attention gate, multi-token prediction, scan_layers, the chunked loss
-    and two micro-batches: 3 steps then 3 more from the checkpoint equal 6 straight."""
+    """smear, the bigram and trigram tables, the attention gate, dense skips (two layers), the key offset and
+    paired heads (layer 1 of 2: the scan's nn.cond), multi-token prediction, the embedding and unembedding
+    untied at step 5 (0.4 of the schedule's 12), scan_layers, the chunked loss and two micro-batches: 3 steps
+    then 3 more from the checkpoint equal 6 straight."""
     from jaxgpt.train.run import train
 
     corpus = write_corpus(tmp_path / "corpus.txt")
-    switches = {"model.smear": True, "model.bigram_table": 97, "model.attn_gate": 4, "train.mtp_tokens": 3,
-                "train.mtp_fraction": 1.0, "compute.scan_layers": True, "compute.loss_chunk": 24, "train.grad_accum": 2,
-                "train.batch_size": 2}
+    switches = {"model.smear": True, "model.bigram_table": 97, "model.trigram_table": 89, "model.attn_gate": 4,
+                "model.dense_skips": 4, "model.key_offset": True, "model.paired_heads": (1,), "model.n_layer": 2,
+                "train.mtp_tokens": 3, "train.mtp_fraction": 1.0,
+                "compute.scan_layers": True, "compute.loss_chunk": 24, "train.grad_accum": 2, "train.batch_size": 2,
+                "model.tie_embeddings": False, "train.untie_at": 0.4}
     first = train(tiny_config(tmp_path, corpus, "split", **switches, **{"train.steps": 3}))
     assert first["step"] == 3
     resumed = train(tiny_config(tmp_path, corpus, "split", **switches))

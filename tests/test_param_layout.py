@@ -72,10 +72,12 @@ EXPECTED = {
     "lm_head/kernel": ("fsdp", "tensor"), "logits_bias": ("tensor",),
     "scale": (None,), "bias": (None,),  # norms' gains and biases (and q_norm/k_norm's)
     "previous/bigram": ("tensor", "fsdp"), "previous/smear_gate": (None,), "previous/smear_lambda": (),
+    "previous/trigram": ("tensor", "fsdp"),
     # a value table's rows over tensor like the token table's, each head's width over fsdp like its d_model
     "value_embeds/table_0": ("tensor", None, "fsdp"), "value_embeds/table_1": ("tensor", None, "fsdp"),
     "value_embeds/gate_0": (), "value_embeds/gate_1": (), "unet/w_0": (),
     "attn/gate": (None, "tensor"), "attn/gate_bias": ("tensor",),  # the attention gate's, split as the heads
+    "dense_skips/w1_1": ("fsdp", None), "dense_skips/w2_1": (None, None), "dense_skips/b_1": (None,),  # W1 reads d
 }
 MULTI_QUERY = {"attn/kv_proj/kernel": ("fsdp", None, None, None), "attn/kv_proj/bias": (None, None, None)}
 
@@ -121,9 +123,12 @@ VARIANTS = {
     "none": (dict(BASE, positions="none"), True, "adamw"),
     "linear": (dict(BASE, attention="linear"), False, "adamw"),
     "local": (dict(BASE, attention="local", window=4), False, "adamw"),
-    "smear, bigram_table, attn_gate, scan_layers, muon": (dict(BASE, smear=True, bigram_table=50, attn_gate=4), True,
-                                                          "muon"),
-    "value_embeds, unet_skips, muon": (dict(BASE, value_embeds=((0,), (1,)), unet_skips=True), False, "muon"),
+    "smear, bigram_table, trigram_table, attn_gate, scan_layers, muon": (
+        dict(BASE, smear=True, bigram_table=50, trigram_table=50, attn_gate=4), True, "muon"),
+    "value_embeds, unet_skips, dense_skips, muon": (dict(BASE, value_embeds=((0,), (1,)), unet_skips=True,
+                                                         dense_skips=4), False, "muon"),
+    "key_offset, paired_heads, scan_layers": (dict(BASE, positions="rope", key_offset=True, paired_heads=(1,)), True,
+                                              "muon"),
 }
 
 

@@ -17,9 +17,10 @@ from jaxgpt.model import param_layout
 
 CASES = [  # 2 and 3 layers, every positions option, linear and local attention, remat, GQA, the recipe
     {"positions": "learned", "n_layer": 2, "n_head": 4, "n_kv_head": 2},
-    {"positions": "sinusoidal", "n_layer": 3},
-    # the modern recipe's switches, RoPE, and the attention gate
-    {**RECIPE, "n_layer": 2, "attention": "local", "window": 3, "attn_gate": 5},
+    # and the dense skips (scan carries h_0, h_1), paired heads on one layer of three (the scan's nn.cond)
+    {"positions": "sinusoidal", "n_layer": 3, "dense_skips": 4, "paired_heads": (1,)},
+    # the modern recipe's switches, RoPE, the attention gate and the key offset (the ring's)
+    {**RECIPE, "n_layer": 2, "attention": "local", "window": 3, "attn_gate": 5, "key_offset": True},
     {"positions": "alibi", "n_layer": 3},
     {"positions": "none", "n_layer": 3, "attention": "linear"},
 ]
@@ -64,7 +65,9 @@ def test_scan_initialises_stacked_params_of_the_loops_shapes():
 
 
 @pytest.mark.parametrize("changes", [{}, {**RECIPE, "value_embeds": ((0, -1),), "unet_skips": True, "smear": True,
-                                      "bigram_table": 8, "attn_gate": 4, "n_layer": 4}], ids=["gpt2", "every_switch"])
+                                      "bigram_table": 8, "trigram_table": 8, "attn_gate": 4, "dense_skips": 4,
+                                      "key_offset": True, "paired_heads": (0, 2), "n_layer": 4}],
+                         ids=["gpt2", "every_switch"])
 def test_a_seed_initialises_the_same_weights_in_either_layout(changes):
     """The layout is how the model runs: a run from scratch with scan_layers starts from the per-layer run's
     weights (the train state's params, as train.py initialises them), stacked."""

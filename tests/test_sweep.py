@@ -130,6 +130,9 @@ def test_a_grid_value_init_from_would_replace_is_refused_before_any_cell_trains(
     (["--ablate", "a:model.bias=False", "--grid", "model.bias=False,True"], "give --grid KEY=V1,V2,… (a product"),
     (["--grid", "model.qk_norm=False,Ture"], "--grid model.qk_norm=Ture is refused in every cell (model.qk_norm takes "
                                              "True or False, not 'Ture'): correct or drop the value"),
+    (["--ablate", "untie:train.untie_at=0.67"],
+     "--ablate untie: train.untie_at=0.67 is refused (train.untie_at=0.67 unties the embedding and the unembedding, "
+     "but model.tie_embeddings=True"),
     (["--ablate", "a:model.nonexist=3"], "--ablate a: model.nonexist=3 is refused (no key 'model.nonexist'): correct "
                                          "it, or drop this --ablate; nothing was trained"),
     (["--ablate", "b:model.bias=True,model.qk_norm=Ture"],

@@ -111,7 +111,9 @@ def corpus_text() -> str:
 
 
 EVERY_SWITCH = ["--config.model.unet_skips=True", "--config.model.smear=True",  # the plus config has the rest
-                "--config.model.attn_gate=12"]
+                "--config.model.attn_gate=12", "--config.model.trigram_table=16", "--config.model.dense_skips=8",
+                "--config.model.key_offset=True", "--config.model.paired_heads=(0,2)",
+                "--config.train.untie_at=0.5"]  # of its 2 steps: one tied, one untied
 # the recipe's 4 layers (its value-embedding tables need them), narrower and shorter: the same programs, smaller
 NARROW = ["--config.model.d_model=32", "--config.model.n_head=2", "--config.model.d_ff=64",
           "--config.model.block_size=32", "--config.model.bigram_table=16", "--config.train.batch_size=4"]

@@ -3,6 +3,7 @@ with its cache, and the softmax kernels (a compute setting, config.compute.kerne
 
     FORMS[cfg.attention].attend(cfg, kernel, q, k, v, where, layer_cache, bias_of, on_weights)
     KERNELS[compute.kernel](q, k, v, where, bias_of, on_weights)
+    kernels.paired(kernel)                            a kernel over paired heads (model.paired_heads)
     init_cache(cfg, batch_size, max_length, dtype)    the form's empty cache, for decoding
 
 A new form is a file with a Form (base.py says what it implements) and a line in FORMS; a

@@ -53,54 +53,79 @@ class Where(NamedTuple):
         return self._replace(q_positions=self.q_positions[:, start:end], k_positions=self.k_positions[:, :keys_end],
                              q_segments=segments[0], k_segments=segments[1])
 
+    def paired(self) -> Where:
+        """The Where of paired heads' one sequence (ops.pair_heads): place 2t+i at position 2p_t + i, of
+        segment seg_t (ops.pair_positions, ops.pair_segments), so the query of head 2j+i at p sees the keys
+        of head 2j+i' at p' iff 2p' + i' ≤ 2p + i (and p' is of its example). No window: the local form
+        pairs no heads (registries.check_model refuses it)."""
+        q_positions, same = ops.pair_positions(self.q_positions), self.keys_are_queries()
+        k_positions = q_positions if same else ops.pair_positions(self.k_positions)
+        if self.q_segments is None:
+            return Where(q_positions, k_positions)
+        q_segments = ops.pair_segments(self.q_segments)
+        k_segments = q_segments if self.k_segments is self.q_segments else ops.pair_segments(self.k_segments)
+        return Where(q_positions, k_positions, q_segments, k_segments)
+
 
 EMPTY = jnp.iinfo(jnp.int32).min // 2  # the position of a slot, or a last token, never written
 
 
+BEFORE = 2  # the tokens before the first new one a cache gives (jaxgpt.previous: the bigram's one, the trigram's two)
+
+
 def last_kept(tokens, positions, limit, last: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(token, position) (B,) of each row's last new token kept (its position < limit (B,): a
-    prefix of tokens (B, T)), or `last`, the pair held so far, where none is kept: what a cache
-    that keeps no token per slot (linear, local) gives as the token before (jaxgpt.previous)."""
+    """(tokens, positions) (B, K), oldest first, of each row's last K tokens kept: of `last`, the K
+    held so far (each (B, K)), then the new tokens (B, T) whose positions are < limit (B,) (a prefix of
+    them). What a cache that keeps no token per slot (linear, local) gives as the tokens before
+    (jaxgpt.previous)."""
     positions = jnp.broadcast_to(positions, tokens.shape)
     kept = (positions < limit[:, None]).sum(axis=1)
-    at = jnp.maximum(kept - 1, 0)[:, None]
-    newest = [jnp.take_along_axis(rows, at, axis=1)[:, 0] for rows in (tokens, positions)]
-    return tuple(jnp.where(kept > 0, new.astype(old.dtype), old) for new, old in zip(newest, last, strict=True))
+    at = kept[:, None] + jnp.arange(last[0].shape[1])[None, :]  # the last K of (held, kept new)
+    return tuple(jnp.take_along_axis(jnp.concatenate([old, new.astype(old.dtype)], axis=1), at, axis=1)
+                 for new, old in zip((tokens, positions), last, strict=True))
 
 
-def token_before(last: tuple[jax.Array, jax.Array], positions) -> tuple[jax.Array, jax.Array]:
-    """(the last token kept (B,), whether it is at the position before each row's first new one)."""
-    token, position = last
-    return token, position == positions[:, 0] - 1
+def tokens_before(last: tuple[jax.Array, jax.Array], positions) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """((x_{−1}, held), (x_{−2}, held), …): for k = 1 … K, the k-th last token kept (B,) and whether it is
+    at the position k before each row's first new one, of `last` (tokens, positions) (B, K) oldest first."""
+    tokens, kept_at = last
+    K = tokens.shape[1]
+    return tuple((tokens[:, K - k], kept_at[:, K - k] == positions[:, 0] - k) for k in range(1, K + 1))
 
 
 @flax.struct.dataclass
 class OneSequenceRows:
     """What the caches that keep no token per slot (linear, local) share: each row decodes one
-    sequence, and its last token kept (last_token, last_position) is the token before the next.
-    index (B,): tokens seen so far in each row; limit (B,): tokens at positions ≥ limit are read
-    but not kept (a padded prefill's padding)."""
+    sequence, and its last BEFORE tokens kept (last_tokens, last_positions (B, BEFORE), oldest first;
+    EMPTY positions before any) are the tokens before the next. index (B,): tokens seen so far in
+    each row; limit (B,): tokens at positions ≥ limit are read but not kept (a padded prefill's padding)."""
 
     index: jax.Array
     limit: jax.Array
-    last_token: jax.Array
-    last_position: jax.Array
+    last_tokens: jax.Array
+    last_positions: jax.Array
     form: ClassVar[str]  # the attention form, for the message that refuses segments
 
     def locate(self, tokens, positions=None, segments=None):
-        """(positions, the Where of the blocks, the cache with the new tokens' last kept one): the
+        """(positions, the Where of the blocks, the cache with the new tokens' last kept ones): the
         new tokens see each other causally, and what the cache holds."""
         if segments is not None:
             raise ValueError(f"attention={self.form!r} decodes one sequence per row: segments cannot be given with "
                              "its cache")
         if positions is None:
             positions = self.index[:, None] + jnp.arange(tokens.shape[-1])[None, :]
-        last_token, last_position = last_kept(tokens, positions, self.limit, (self.last_token, self.last_position))
-        return positions, Where(positions, positions), self.replace(last_token=last_token, last_position=last_position)
+        last = last_kept(tokens, positions, self.limit, (self.last_tokens, self.last_positions))
+        return positions, Where(positions, positions), self.replace(last_tokens=last[0], last_positions=last[1])
 
-    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
-        """The last token kept, held iff it is at the position before the first new one."""
-        return token_before((self.last_token, self.last_position), positions)
+    def tokens_before(self, positions, segments=None) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """The last tokens kept, each held iff it is at its place before the first new one (tokens_before)."""
+        return tokens_before((self.last_tokens, self.last_positions), positions)
+
+
+def no_tokens_before(batch_size: int) -> dict:
+    """last_tokens and last_positions of a OneSequenceRows cache that has kept no token yet."""
+    return {"last_tokens": jnp.zeros((batch_size, BEFORE), jnp.int32),
+            "last_positions": jnp.full((batch_size, BEFORE), EMPTY, jnp.int32)}
 
 
 class Form(NamedTuple):
@@ -112,7 +137,7 @@ class Form(NamedTuple):
       layer_cache what the form's cache gives for the layer (None without a cache).
     init_cache(cfg, batch_size, max_length, dtype) → an empty cache for decoding. A cache is a
       pytree with `index` (B,) and the methods locate, layer, with_layers, resume_at, with_limit
-      and token_before (softmax.KVCache says what each does).
+      and tokens_before (softmax.KVCache says what each does).
     grows_past_context: the cache carries the whole sequence, so decoding never crops it and
       a new token costs one position at any length.
     check(cfg): a one-line ValueError for a GPTConfig this form cannot compute (called by
@@ -127,6 +152,10 @@ class Form(NamedTuple):
       start at any position of a row, a token read again rewrites its own slot, and a slot
       past what a row has read is attended by no query before it is written (softmax's KV
       cache; jaxgpt.score.likelihood reads contexts and continuations in windows through it).
+    offsets_keys: it computes model.key_offset (ops.offset_keys on every key it reads, the
+      cache's included: its cache keeps the keys as they are made, and each read offsets them).
+    pairs_heads: it computes model.paired_heads' layers, whose kernel is kernels.paired's (the
+      heads interleaved into one sequence); its cache keeps each token's heads as they are.
     """
 
     attend: Callable[..., tuple[jax.Array, Any]]
@@ -137,3 +166,11 @@ class Form(NamedTuple):
     has_weights: bool = True
     asks: tuple[str, ...] = ()
     slots_by_position: bool = False
+    offsets_keys: bool = False
+    pairs_heads: bool = False
+
+
+def offset_in_row(k, positions, segments=None):
+    """ops.offset_keys with the token before each key's at the entry before it in its row, where it
+    follows it (ops.follows: the position before, the same segment): k (B,S,H,D), positions (B,S)."""
+    return ops.offset_keys(k, jnp.concatenate([k[:, :1], k[:, :-1]], axis=1), ops.follows(positions, segments))

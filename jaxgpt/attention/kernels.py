@@ -104,6 +104,18 @@ def flash(q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
     return heads(attend(heads(q), heads(k), heads(v), bias, segments))
 
 
+def paired(kernel: Callable) -> Callable:
+    """`kernel` over paired heads (model.paired_heads): heads 2j and 2j+1 interleaved into one sequence of
+    2T places (ops.pair_heads; Where.paired: place 2t+i at position 2p_t + i), attended causally as any
+    sequence, and the context de-interleaved, C = unpair(kernel(pair(Q), pair(K), pair(V))) (B,T,H,D). The
+    weights on_weights sees are the pairs' (B, H/2, 2T, 2S)."""
+    def attend(q, k, v, where: Where, bias_of: Callable, on_weights: Callable):
+        pair = ops.pair_heads
+        return ops.unpair_heads(kernel(pair(q), pair(k), pair(v), where.paired(), bias_of, on_weights))
+
+    return attend
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """A softmax kernel and what it can do: callers ask the record, never the name.

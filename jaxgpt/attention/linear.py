@@ -9,7 +9,7 @@ import flax.struct
 import jax.numpy as jnp
 
 from jaxgpt import ops
-from jaxgpt.attention.base import EMPTY, Form, OneSequenceRows, Where
+from jaxgpt.attention.base import Form, OneSequenceRows, Where, no_tokens_before
 
 NO_LIMIT = jnp.iinfo(jnp.int32).max
 
@@ -20,8 +20,8 @@ class LinearCache(OneSequenceRows):
     (B, H_kv, D) = Σ_s φ(k_s) over the tokens absorbed so far, in float32. index (B,): the
     position of the next token. limit (B,): tokens at positions ≥ limit are read but not
     absorbed, which is what a padded prefill needs (decoding sets it to each prompt's
-    length − 1, then lifts it). last_token, last_position (B,): the last token absorbed and its
-    position (EMPTY before any), what jaxgpt.previous reads as the token before the next one."""
+    length − 1, then lifts it). last_tokens, last_positions (B, 2): the last two tokens absorbed and
+    their positions (EMPTY before any), what jaxgpt.previous reads as the tokens before the next one."""
 
     S: tuple
     z: tuple
@@ -64,9 +64,7 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=None) 
               for _ in range(cfg.n_layer))
     z = tuple(jnp.zeros((batch_size, cfg.n_kv_head, cfg.head_dim), jnp.float32) for _ in range(cfg.n_layer))
     return LinearCache(S=S, z=z, index=jnp.zeros((batch_size,), jnp.int32),
-                       limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32),
-                       last_token=jnp.zeros((batch_size,), jnp.int32),
-                       last_position=jnp.full((batch_size,), EMPTY, jnp.int32))
+                       limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32), **no_tokens_before(batch_size))
 
 
 FORM = Form(attend=attend, init_cache=init_cache, grows_past_context=True, keys=("linear_feature",), has_weights=False)

@@ -10,7 +10,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.attention.base import EMPTY, Form, OneSequenceRows, Where
+from jaxgpt import ops
+from jaxgpt.attention.base import EMPTY, Form, OneSequenceRows, Where, no_tokens_before, offset_in_row
 
 NO_LIMIT = jnp.iinfo(jnp.int32).max
 
@@ -21,8 +22,8 @@ class RingCache(OneSequenceRows):
     token number n of a row lives in slot n mod W. positions[l] (B, W): the position of each
     slot's token (EMPTY before it is written). index (B,): tokens seen so far in each row.
     limit (B,): tokens at positions ≥ limit are read but not kept (a padded prefill's padding).
-    last_token, last_position (B,): the last token kept and its position (EMPTY before any), what
-    jaxgpt.previous reads as the token before the next one."""
+    last_tokens, last_positions (B, 2): the last two tokens kept and their positions (EMPTY before
+    any), what jaxgpt.previous reads as the tokens before the next one."""
 
     keys: tuple
     values: tuple
@@ -49,18 +50,38 @@ class RingCache(OneSequenceRows):
 def attend(cfg, kernel, q, k, v, where: Where, layer_cache, bias_of, on_weights):
     """The kernel with the window in the mask. With a cache, the new tokens read the ring's
     keys of earlier tokens (slots of tokens at or past the first new one are stale: hidden)
-    and their own, then the last W of them are written into the ring."""
+    and their own, then the last W of them are written into the ring. With key_offset the keys
+    it reads are offset (the ring keeps them as made: _offset_in_ring)."""
     where = where._replace(window=cfg.window)
     if layer_cache is None:
-        return kernel(q, k, v, where, bias_of, on_weights), None
+        keys = offset_in_row(k, where.k_positions, where.k_segments) if cfg.key_offset else k
+        return kernel(q, keys, v, where, bias_of, on_weights), None
     ring_k, ring_v, ring_positions, index, limit = layer_cache
     first = where.q_positions[:, :1]
     seen = jnp.where(ring_positions < first, ring_positions, EMPTY)
     k_positions = jnp.concatenate([seen, where.q_positions], axis=1)
-    context = kernel(q, jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1),
-                     jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1),
+    keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
+    if cfg.key_offset:
+        keys = _offset_in_ring(keys, seen, where.q_positions)
+    context = kernel(q, keys, jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1),
                      Where(where.q_positions, k_positions, window=cfg.window), bias_of, on_weights)
     return context, _write(ring_k, ring_v, ring_positions, k, v, where.q_positions, index, limit)
+
+
+def _offset_in_ring(keys, seen, positions):
+    """ops.offset_keys of the ring's W keys and the new ones after them (keys (B, W+T, H, D)), the ring's
+    positions `seen` (B, W), the new ones' (B, T). Token n sits in slot n mod W, so the token before a
+    slot's is the slot before's, cyclically, where it is at the position before; the first new token's
+    is the ring's at the position before its own, and each later one's the new one before it. (The one
+    slot whose token before is gone, the oldest, is outside every new query's window.)"""
+    W = seen.shape[1]
+    ring, new = keys[:, :W], keys[:, W:]
+    found = seen == positions[:, :1] - 1  # (B, W): the slot of the first new token's token before
+    first = jnp.take_along_axis(ring, jnp.argmax(found, axis=1)[:, None, None, None], axis=1)
+    before = jnp.concatenate([jnp.roll(ring, 1, axis=1), first, new[:, :-1]], axis=1)
+    has = jnp.concatenate([jnp.roll(seen, 1, axis=1) == seen - 1,
+                           ops.follows(positions).at[:, 0].set(found.any(axis=1))], axis=1)
+    return ops.offset_keys(keys, before, has)
 
 
 def _write(ring_k, ring_v, ring_positions, k, v, positions, index, limit):
@@ -89,8 +110,7 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.fl
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layer))
     empty = tuple(jnp.full((batch_size, slots), EMPTY, jnp.int32) for _ in range(cfg.n_layer))
     return RingCache(keys=zeros, values=zeros, positions=empty, index=jnp.zeros((batch_size,), jnp.int32),
-                     limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32), last_token=jnp.zeros((batch_size,), jnp.int32),
-                       last_position=jnp.full((batch_size,), EMPTY, jnp.int32))
+                     limit=jnp.full((batch_size,), NO_LIMIT, jnp.int32), **no_tokens_before(batch_size))
 
 
 def check(cfg) -> None:
@@ -102,4 +122,5 @@ def check(cfg) -> None:
         raise ValueError(f"GPTConfig.window={window!r}: must be a positive integer")
 
 
-FORM = Form(attend=attend, init_cache=init_cache, check=check, keys=("window",), asks=("window",))
+FORM = Form(attend=attend, init_cache=init_cache, check=check, keys=("window",), asks=("window",),
+            offsets_keys=True)

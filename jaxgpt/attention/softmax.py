@@ -6,7 +6,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.attention.base import Form, Where
+from jaxgpt.attention.base import BEFORE, Form, Where, offset_in_row
 
 
 @flax.struct.dataclass
@@ -46,14 +46,18 @@ class KVCache:
                              tokens=write_rows(self.tokens, tokens, self.index))
         return positions, Where(positions, cache.positions, segments, cache.segments), cache
 
-    def token_before(self, positions, segments=None) -> tuple[jax.Array, jax.Array]:
-        """(the token before each row's first new one (B,), whether the cache holds it): the one in
-        slot index − 1 when it is at the position before and of the same segment."""
-        slot = jnp.maximum(self.index - 1, 0)[:, None]
-        at = lambda rows: jnp.take_along_axis(rows, slot, axis=1)[:, 0]  # noqa: E731
+    def tokens_before(self, positions, segments=None) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """((x_{−1}, held), (x_{−2}, held)): for k = 1 … BEFORE the token (B,) in slot index − k of each row, held
+        when the row has it and it is at position k before the row's first new one, of the same segment."""
         segment = 0 if segments is None else segments[:, 0]
-        held = (self.index > 0) & (at(self.positions) == positions[:, 0] - 1) & (at(self.segments) == segment)
-        return at(self.tokens), held
+
+        def before(k):
+            slot = jnp.maximum(self.index - k, 0)[:, None]
+            at = lambda rows: jnp.take_along_axis(rows, slot, axis=1)[:, 0]  # noqa: E731
+            held = (self.index >= k) & (at(self.positions) == positions[:, 0] - k) & (at(self.segments) == segment)
+            return at(self.tokens), held
+
+        return tuple(before(k) for k in range(1, BEFORE + 1))
 
     def layer(self, layer: int, positions):
         """What layer `layer`'s attention reads and extends: (keys, values, index)."""
@@ -88,11 +92,15 @@ def write_rows(cache_rows, new_rows, index):
 
 def attend(cfg, kernel, q, k, v, where: Where, layer_cache, bias_of, on_weights):
     """The kernel over the new tokens' keys, or with a cache over every slot after the new
-    keys and values are written into it."""
+    keys and values are written into it. With key_offset the keys it reads are offset, slot by
+    slot as a row's tokens are (offset_in_row: the slots' positions and segments say which holds
+    the token before), so the cache keeps the keys as made and decoding offsets what one pass does."""
     if layer_cache is not None:
         cache_keys, cache_values, index = layer_cache
         k, v = write_rows(cache_keys, k, index), write_rows(cache_values, v, index)
         layer_cache = (k, v)
+    if cfg.key_offset:
+        k = offset_in_row(k, where.k_positions, where.k_segments)
     return kernel(q, k, v, where, bias_of, on_weights), layer_cache
 
 
@@ -109,4 +117,4 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.fl
                    tokens=jnp.zeros((batch_size, max_length), jnp.int32))
 
 
-FORM = Form(attend=attend, init_cache=init_cache, slots_by_position=True)
+FORM = Form(attend=attend, init_cache=init_cache, slots_by_position=True, offsets_keys=True, pairs_heads=True)

@@ -12,6 +12,7 @@ warmup–stable–decay schedule, each parameter group at its own peak learning 
     NS's coefficients: the quintic's (a, b, c) each step, or Polar Express's row per step (train.muon_coeffs);
     NorMuon (train.normuon): NS(M̃) normalised per output neuron (jaxgpt.optim.muon.scale_by_neuron_norm);
     cautious weight decay (train.cautious_weight_decay): λθ only where u·θ ≥ 0 (u the update before it)
+    untie_at (train.untie_at): E and W_U one table, W_U = Eᵀ, for the steps s < S, then two (jaxgpt.optim.tying)
 
 Both registries (OPTIMIZERS, SCHEDULES) map the names train.optimizer and train.schedule may
 take to their builders: they are the lists of those names (check_train checks a train
@@ -33,6 +34,7 @@ from jaxgpt import layout
 from jaxgpt.config import TrainConfig
 from jaxgpt.errors import ConfigError
 from jaxgpt.optim.muon import scale_by_banked_muon, scale_by_neuron_norm, scale_by_width
+from jaxgpt.optim.tying import TiedOptimizer, tied
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): optax's and modded-nanogpt's
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one (a, b, c) per step, each step's
@@ -219,12 +221,14 @@ OPTIMIZERS: dict[str, Callable[[TrainConfig, optax.Schedule, Any], optax.Gradien
     "adamw": adamw, "muon": muon}
 
 
-def make_optimizer(train: TrainConfig, declared) -> optax.GradientTransformation:
+def make_optimizer(train: TrainConfig, declared) -> optax.GradientTransformation | TiedOptimizer:
     """clip_by_global_norm(clip), then train.optimizer on train.schedule, for the parameters
-    `declared` (jaxgpt.model.param_layout of the model it trains)."""
+    `declared` (jaxgpt.model.param_layout of the model it trains); with train.untie_at, with the
+    tying of the embedding and the unembedding until train.untie_step (jaxgpt.optim.tying)."""
     steps = [optax.clip_by_global_norm(train.clip)] if train.clip else []
     steps.append(OPTIMIZERS[train.optimizer](train, learning_rate_schedule(train), declared))
-    return optax.chain(*steps)
+    optimizer = optax.chain(*steps)
+    return optimizer if train.untie_at is None else tied(optimizer, declared, train.untie_step)
 
 
 # --- a train section opened --------------------------------------------------------------------

@@ -127,8 +127,9 @@ def block_values(cfg: GPTConfig) -> int:
 def row_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
     """Bytes of one row's activations in a train step: per token, n_layer blocks of
     block_values in the compute dtype, the attention weights where the kernel forms them
-    (2·H·S values a layer, the scores and their softmax over S = min(T, window) keys; none
-    for a fused kernel, under remat, or a form without weights), and the float32 logits, 4·V
+    (2·H·S values a layer, the scores and their softmax over S = min(T, window) keys, twice
+    that a layer of paired_heads; none for a fused kernel, under remat, or a form without
+    weights), and the float32 logits, 4·V
     (their gradient is written over them). An estimate: XLA's TPU compiles of GPT-2 small
     keep 0.381 GiB a row on v5e and 0.411 on v4, where this says 0.403 (ROW_MARGIN)."""
     size = compute.compute_dtype.itemsize
@@ -138,7 +139,8 @@ def row_bytes(cfg: GPTConfig, compute: ComputeConfig) -> float:
     span = cfg.block_size if cfg.window is None else min(cfg.block_size, cfg.window)
     weights = 2 * cfg.n_head * span if forms_weights else 0
     logits = 0 if compute.loss_chunk else 4 * cfg.vocab_size  # chunked: a chunk's at a time (chunk_bytes)
-    return cfg.block_size * (cfg.n_layer * (block_values(cfg) + weights) * size + logits)
+    layers = cfg.n_layer * block_values(cfg) + (cfg.n_layer + len(cfg.paired_heads)) * weights
+    return cfg.block_size * (layers * size + logits)
 
 
 def chunk_bytes(cfg: GPTConfig, compute: ComputeConfig, tokens: int) -> float:

@@ -27,6 +27,7 @@ from jaxgpt import data, sharding, tokenizers
 from jaxgpt.config import ComputeConfig, DataConfig, GPTConfig, SampleConfig, TrainConfig
 from jaxgpt.errors import ConfigError, DataError
 from jaxgpt.model import param_count
+from jaxgpt.optim.tying import check_untie
 from jaxgpt.train import micro_batch, rundir
 from jaxgpt.train.evaluation import id_share
 from jaxgpt.train.rundir import TOKENIZER_FILE
@@ -41,6 +42,7 @@ def check_sections(config, train_cfg: TrainConfig) -> Mesh:
     mesh = sharding.make_mesh(config.mesh)
     check_batch_sizes(train_cfg, mesh)
     check_targets_ahead(train_cfg, config.model.block_size)
+    check_untie(train_cfg, config.model.tie_embeddings)
     for note in unused_settings(config, train_cfg):
         print(f"jaxgpt: {note}", file=sys.stderr)
     return mesh

@@ -31,6 +31,7 @@ from jaxgpt import axes, layout, ops, stack
 from jaxgpt.config import GPTConfig, TrainConfig
 from jaxgpt.loss import chunk_tokens, chunked, logits_fn, multi_token, score_targets
 from jaxgpt.model import GPT, param_layout, param_shapes
+from jaxgpt.optim.tying import TiedOptimizer
 from jaxgpt.train import programs
 
 
@@ -96,9 +97,12 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
     after it.
 
     ahead: step → (K,) the weights of multi-token prediction at that step (ahead_weights), or None:
-    the next token only. The loss it reports is then the objective, auxiliary targets included."""
+    the next token only. The loss it reports is then the objective, auxiliary targets included.
+    An optimizer made with train.untie_at ties the embedding and the unembedding until its untie
+    step (`tied`: the loss reads W_U = Eᵀ, the step writes it; then W_U's state starts as E's)."""
     model = as_model(model)
     use_dropout = model.cfg.dropout > 0
+    tie, untie_state = tied(optimizer)
     k = grad_accum
 
     def train_step(state: TrainState, batch, key):
@@ -113,8 +117,9 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
             dropout_key = jax.random.fold_in(key, i) if use_dropout else None
 
             def objective(params, value_rows):
-                return loss_fn(model, params, x, y, mask, dropout_key, positions=positions, segments=segments,
-                               count=count, ahead=None if ahead is None else ahead(state.step), value_rows=value_rows)
+                return loss_fn(model, tie(params, state.step), x, y, mask, dropout_key, positions=positions,
+                               segments=segments, count=count, ahead=None if ahead is None else ahead(state.step),
+                               value_rows=value_rows)
 
             loss, (grads, row_grads) = jax.value_and_grad(objective, argnums=(0, 1))(state.params, value_rows)
             return laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads))), (loss, row_grads)
@@ -125,12 +130,22 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
         grads, (losses, row_grads) = jax.lax.scan(micro_step, zeros, (micro_batches, jnp.arange(k), rows))
         if rows is not None:  # the tables' gradient, of every micro-batch's rows at once
             grads = laid_out(jax.tree.map(jnp.add, grads, pull_back(row_grads)))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = optimizer.update(grads, untie_state(state.opt_state, state.step), state.params)
+        params = tie(optax.apply_updates(state.params, updates), state.step)
         metrics = {"loss": losses.sum(), "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
+
+
+def tied(optimizer) -> tuple[Callable, Callable]:
+    """(tie(params, step), untie_state(opt_state, step)) of the optimizer's tying of the embedding and
+    the unembedding (jaxgpt.optim.tying.Tying: W_U = Eᵀ while tied; W_U's state E's at the untie
+    step), or both the identity for an optimizer without one."""
+    if not isinstance(optimizer, TiedOptimizer):
+        return (lambda params, step: params), (lambda opt_state, step: opt_state)
+    tying = optimizer.tying
+    return tying.tie, lambda opt_state, step: tying.untie_state(opt_state, step, optimizer)
 
 
 def looked_up(model: GPT, params, tokens) -> tuple[Any, Callable | None]:
@@ -192,7 +207,8 @@ def init_state(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, 
     """A fresh train state; `key` is a PRNG key or an integer seed (its key is made here, in
     the caller's program, rather than by programs of its own)."""
     model = as_model(model)
-    params = model.init(as_key(key), jnp.zeros((1, model.cfg.block_size), jnp.int32))["params"]
+    tie, _ = tied(optimizer)  # with train.untie_at, W_U = Eᵀ from the start
+    params = tie(model.init(as_key(key), jnp.zeros((1, model.cfg.block_size), jnp.int32))["params"], 0)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
