@@ -211,6 +211,20 @@ def test_greedy_with_cache_equals_naive_recomputation(positions):
         np.testing.assert_allclose(result.logprobs[b], logprobs, atol=1e-4)
 
 
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_greedy_with_the_ring_cache_equals_naive_recomputation(positions):
+    """attention='local': prompts that fit the context, in a batch that goes past it, so the
+    first step is a pass over the context windows and the next ones go on from the ring (which
+    must hold each row's last prompt token) until a row passes block_size."""
+    cfg = tiny(attention="local", window=4, positions=positions)
+    prompts = [[5, 1, 7], [3, 9, 2, 4, 8, 6], [4]]
+    result = run(cfg, prompts, temperature=0.0)
+    for b, prompt in enumerate(prompts):
+        tokens, logprobs = naive_greedy(cfg, prompt, NEW)
+        assert rows(result)[b] == prompt + tokens, f"row {b}"
+        np.testing.assert_allclose(result.logprobs[b], logprobs, atol=1e-4)
+
+
 def eos_case(cfg):
     """(an EOS id, the step at which row 0 first draws it), a step ≥ 2, from the greedy run without EOS."""
     new = run(cfg, temperature=0.0).tokens[0, 3:]

@@ -57,17 +57,18 @@ def _last_tokens(tokens, lengths):
     return jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)
 
 
-def _recomputed_logits(params, model: GPT, tokens, lengths, width: int, cache_length: int):
+def _recomputed_logits(params, model: GPT, tokens, lengths, width: int, cache_length: int, keep_last: bool):
     """Next-token logits (B, V) by one pass over each row's last `width` tokens (its whole
     sequence, left-aligned, when shorter: the causal mask hides what follows it), and a
-    fresh cache holding those tokens but each row's last (valid to go on from for the rows
-    that fit in it; the others were cropped). Serves as the prefill and as the step past the
-    context."""
+    fresh cache holding those tokens (valid to go on from for the rows that fit in it; the
+    others were cropped), never the padding after them. As the prefill (keep_last False) it
+    holds all but each row's last, which the first step feeds; as the step past the context
+    (keep_last True) each row's last too, since the next step feeds the token drawn after it."""
     starts = jnp.maximum(lengths - width, 0)
     windows = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (width,)))(tokens, starts)
-    last = lengths - starts - 1  # each row's newest token in its window: the first step feeds it again
-    cache = init_cache(model.cfg, tokens.shape[0], cache_length, model.compute.compute_dtype).with_limit(last)
-    logits, cache = model.apply({"params": params}, windows, cache)
+    last = lengths - starts - 1  # each row's newest token in its window
+    cache = init_cache(model.cfg, tokens.shape[0], cache_length, model.compute.compute_dtype)
+    logits, cache = model.apply({"params": params}, windows, cache.with_limit(last + keep_last))
     return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache.with_limit(None)
 
 
@@ -90,7 +91,8 @@ def start_cache(params, model: GPT, tokens, lengths, prompt_width: int):
     cfg, width = model.cfg, tokens.shape[1]
     if width > cfg.block_size and not FORMS[cfg.attention].grows_past_context:
         return init_cache(cfg, tokens.shape[0], cfg.block_size, model.compute.compute_dtype)
-    return _recomputed_logits(params, model, tokens, lengths, prompt_width, min(width, cfg.block_size))[1]
+    return _recomputed_logits(params, model, tokens, lengths, prompt_width, min(width, cfg.block_size),
+                              keep_last=False)[1]
 
 
 def next_logits(params, model: GPT, cache, tokens, lengths, active, step):
@@ -106,7 +108,8 @@ def next_logits(params, model: GPT, cache, tokens, lengths, active, step):
         return from_cache()
     fits = (step > 0) & jnp.all(~active | (lengths <= cfg.block_size))
     window = cfg.block_size
-    return jax.lax.cond(fits, from_cache, lambda: _recomputed_logits(params, model, tokens, lengths, window, window))
+    return jax.lax.cond(fits, from_cache,
+                        lambda: _recomputed_logits(params, model, tokens, lengths, window, window, keep_last=True))
 
 
 # --- prompts -------------------------------------------------------------------------------------
