@@ -53,6 +53,8 @@ def test_a_repeated_run_loads_its_programs_without_tracing_and_ends_bit_for_bit(
     assert sorted(lowered) == sorted(EVERY)  # nothing traced: the kept programs ran
     assert again["train_loss"] == first["train_loss"] and again["val_loss"] == first["val_loss"]
     assert all(np.array_equal(a, b) for a, b in zip(first_params, again_params, strict=True))
+    seeded, _ = trained(tmp_path, "seeded", **{"train.seed": 7, "train.eval_every": 2})  # no program reads these
+    assert sorted(lowered) == sorted(EVERY) and seeded["train_loss"] != first["train_loss"]
     other, _ = trained(tmp_path, "other", **{"train.lr": 3.21e-3})  # another setting: another step and init
     assert sorted(lowered[3:]) == ["init", "train_step"] and len(list(folder.glob("*.pickle"))) == 5
     assert other["train_loss"] != first["train_loss"]

@@ -16,6 +16,7 @@ It alone is enough to resume (train.py with the same --config.run_dir) or to sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
@@ -202,12 +203,24 @@ def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, An
                                    ).result() for r in needed}
 
 
+# The train settings no compiled program reads (the seed is an argument of the train step and the
+# init): left out of their descriptions, so that runs which differ only there (a sweep's seeds)
+# share their kept programs.
+OUTSIDE_PROGRAMS = frozenset({"seed", "eval_every", "eval_batch_size", "eval_max_batches", "log_every", "ckpt_every",
+                              "keep_checkpoints", "async_checkpoints", "peak_flops"})
+
+
+def _in_programs(tc: TrainConfig) -> dict:
+    return {field.name: getattr(tc, field.name) for field in dataclasses.fields(tc)
+            if field.name not in OUTSIDE_PROGRAMS}
+
+
 def _init_program(run: Run, optimizer, abstract: TrainState, compiler: ThreadPoolExecutor) -> programs.Pending:
     """The program that makes a fresh state in `abstract`'s shardings (step.lower_init), as
     programs.compiled gives it."""
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    description = repr(("init", run.gpt.cfg, run.gpt.compute, run.train, [d.id for d in run.mesh.devices.flat],
-                        programs.abstract(abstract)))
+    description = repr(("init", run.gpt.cfg, run.gpt.compute, _in_programs(run.train),
+                        [d.id for d in run.mesh.devices.flat], programs.abstract(abstract)))
     return programs.compiled(description, "init", lambda name: lower_init(run.gpt, optimizer, shardings, name),
                              compiler)
 
@@ -217,7 +230,7 @@ def _train_step(run: Run, optimizer, abstract: TrainState, rows: int, compiler: 
     """The train step for batches of `rows`: kept, or lowered here and compiled on `compiler`'s
     thread (None: now), as programs.compiled does."""
     tc, accum = run.train, rows // run.train.batch_size
-    description = repr(("train_step", run.gpt.cfg, run.gpt.compute, tc, run.corpus.records, accum,
+    description = repr(("train_step", run.gpt.cfg, run.gpt.compute, _in_programs(tc), run.corpus.records, accum,
                         sharding.compiler_options(run.mesh), dict(run.mesh.shape),
                         [d.id for d in run.mesh.devices.flat], programs.abstract(abstract)))
     return programs.compiled(description, "train_step", lambda name: lower_train_step(
