@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         from jaxgpt.sharding import use_compilation_cache
-        from jaxgpt.train import programs
+        from jaxgpt import programs
 
         use_compilation_cache(args.compilation_cache)  # a second evaluation loads its programs
         with programs.keeping():  # and its eval step, untraced

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import layout, ops, previous, stack
+from jaxgpt import layout, ops, previous, programs, stack
 from jaxgpt.attention import FORMS, KERNELS, Where, kernels
 from jaxgpt.axes import rows_split
 from jaxgpt.blocks import layers_as, stack_layers, unstack_layers  # noqa: F401  (their home before jaxgpt.blocks)
@@ -443,6 +443,12 @@ def param_layout(model: GPT | GPTConfig):
 
 @functools.lru_cache(maxsize=16)
 def _declared(cfg: GPTConfig, compute: ComputeConfig):
+    """The declarations, traced once per config and compute in a process; within programs.keeping,
+    once per code and settings (kept beside the compiled programs)."""
+    return programs.kept_value(repr(("declared", cfg, compute)), lambda: _traced_declarations(cfg, compute))
+
+
+def _traced_declarations(cfg: GPTConfig, compute: ComputeConfig):
     model = GPT(cfg, compute)
     tokens = jax.ShapeDtypeStruct((1, cfg.block_size), jnp.int32)  # a whole row, as training's init: any kernel
     declared = jax.eval_shape(lambda t: nn.Module.init(model, jax.random.key(0), t)["params"], tokens)

@@ -41,7 +41,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # every test compares programs compiled alike, or holds a tolerance. XLA reads its flags when the
 # backend starts, here; the commands the tests run in subprocesses compile as a user's do, with
 # the flags the suite was started with. (jaxgpt.platforms.STARTED_WITH holds the suite's, which
-# the programs kept by jaxgpt.train.programs are found by.)
+# the programs kept by jaxgpt.programs are found by.)
 jax.devices()
 if _USER_XLA_FLAGS is None:
     del os.environ["XLA_FLAGS"]

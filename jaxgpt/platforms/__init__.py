@@ -33,7 +33,7 @@ import types
 from pathlib import Path
 
 # The environment XLA and JAX read as they start, as it was when jaxgpt was imported (before JAX,
-# in every command): what the programs this process compiles depend on (jaxgpt.train.programs).
+# in every command): what the programs this process compiles depend on (jaxgpt.programs).
 STARTED_WITH = {name: value for name, value in os.environ.items()
                 if name.startswith(("XLA_", "JAX_", "TPU_", "LIBTPU", "CUDA_", "NVIDIA_", "TF_"))}
 GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips are PCI devices of Google's vendor id (as JAX finds them)

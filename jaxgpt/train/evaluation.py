@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt import data
+from jaxgpt import data, programs
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.tokenizers import Tokenizer
-from jaxgpt.train import programs
 from jaxgpt.train.step import as_model, batch_fields, make_eval_step
 
 _EVAL_STEPS: dict = {}

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxgpt import batch_schedule, data, metrics, sharding
+from jaxgpt import batch_schedule, data, metrics, programs, sharding
 from jaxgpt.checkpoint import NonFiniteState, first_non_finite, tree_checksums
 from jaxgpt.config import SampleConfig, TrainConfig
 from jaxgpt.decode.sampling import SamplingOptions, generate
@@ -40,7 +40,7 @@ from jaxgpt.errors import TrainingError, one_line
 from jaxgpt.model import GPT, flops_per_token, param_layout
 from jaxgpt.optim import learning_rate_schedule, make_optimizer
 from jaxgpt.score.completions import RUN_TEMPLATE, record_prompt, templates_named
-from jaxgpt.train import evaluation, programs
+from jaxgpt.train import evaluation
 from jaxgpt.train.evaluation import evaluate_examples, evaluate_tokens
 from jaxgpt.train.opening import Run, compute_config, init_or_restore, leave_nothing, model_config, open_run
 from jaxgpt.train.rundir import CONFIG_FILE, TOKENIZER_FILE, load_run
@@ -158,18 +158,19 @@ def train(config, explicit: Collection[str] = (), keep_programs: bool = False) -
     """Run training as the config says (jaxgpt.config.default_config() lists every key);
     returns the final metrics, the step reached and what stopped it early, if anything.
     `explicit`: the dotted keys the user set (open_run). `keep_programs`: keep the compiled
-    train step with a fingerprint of what it was lowered from, and load, untraced, the one a run
-    with the same fingerprint kept (jaxgpt.train.programs); train.py asks for it, a notebook,
-    which can change a function in memory where no file shows it, should not. Call
+    programs (init, train and eval step, checksums) and the params' declarations with a
+    fingerprint of what made them, and read back, untraced, what a run with the same fingerprint
+    kept (jaxgpt.programs); train.py asks for it, a notebook, which can change a function in
+    memory where no file shows it, should not. Call
     sharding.start_jax(config) first for one CPU device per core or several hosts.
 
     SIGINT/SIGTERM at any moment (preparing data, compiling, training) stop the run at the
     next safe point with the last checkpoint written; a second signal stops at once."""
-    with StopRequested() as stop:
+    with StopRequested() as stop, programs.keeping(keep_programs):  # the params' declarations kept too
         run = open_run(config, explicit)
         failed = True
         try:
-            with jax.set_mesh(run.mesh), programs.keeping(keep_programs):  # activations laid out by the mesh (axes)
+            with jax.set_mesh(run.mesh):  # every program traced here lays its activations out by the mesh (axes)
                 result = _train(run, stop)
             failed = False
             return result

@@ -27,12 +27,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxgpt import axes, layout, ops, stack
+from jaxgpt import axes, layout, ops, programs, stack
 from jaxgpt.config import GPTConfig, TrainConfig
 from jaxgpt.loss import chunk_tokens, chunked, logits_fn, multi_token, score_targets
 from jaxgpt.model import GPT, param_layout, param_shapes
 from jaxgpt.optim.tying import TiedOptimizer
-from jaxgpt.train import programs
 
 
 @flax.struct.dataclass

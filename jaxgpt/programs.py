@@ -17,8 +17,9 @@ A change to any of them lowers and compiles again. The program is then named wit
 (renamed), so XLA compiles it in the process rather than JAX's cache answering for it: only such
 a program can be kept. Programs are kept beside JAX's cache (in its directory, under programs/),
 only where that cache is on, only by a single-process run, and only within `keeping`: the
-commands whose process runs what their files say (train.py's train step and init, eval.py's and
-train.py's evaluation step; a notebook may change a function in memory, which no file shows).
+commands whose process runs what their files say (train.py's init, train step, eval step and
+checkpoint checksums, eval.py's eval step; a notebook may change a function in memory, which no
+file shows). A value a trace finds (the params' declarations) is kept the same way (kept_value).
 A kept program that cannot be read back is compiled again: never an error.
 """
 
@@ -35,6 +36,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
@@ -191,14 +193,37 @@ def keep(key: str | None, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
     """Keep `compiled` (which XLA compiled in this process) under `key`; returns it. A program
     that cannot be written is simply not kept."""
     where = folder()
-    if key is None or where is None:
-        return compiled
-    partial = where / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+    if key is not None and where is not None:
+        with contextlib.suppress(Exception):  # not serialisable here: the run goes on without it
+            _write_whole(where / f"{key}.pickle", pickle.dumps(serialize_executable.serialize(compiled),
+                                                               protocol=pickle.HIGHEST_PROTOCOL))
+    return compiled
+
+
+def kept_value(description: str, make: Callable[[], Any]) -> Any:
+    """make()'s value (picklable: what a trace finds, e.g. the params' declarations), within
+    `keeping` read back from the one kept for the same fingerprint (`description` says what else
+    it depends on), else made and kept; outside `keeping`, made."""
+    where = folder() if _KEEPING.get() else None
+    if where is None:
+        return make()
+    path = where / f"{fingerprint(description)}.value"
+    with contextlib.suppress(Exception):  # none yet, or unreadable: made again
+        return pickle.loads(path.read_bytes())
+    value = make()
+    with contextlib.suppress(Exception):
+        _write_whole(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    return value
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all (a full disk, an unwritable folder: OSError, nothing left)."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        partial.write_bytes(pickle.dumps(serialize_executable.serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL))
-        partial.replace(where / f"{key}.pickle")  # whole or not at all
-    except Exception:  # noqa: BLE001  (not serialisable here, a full disk: the run goes on without it)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(data)
+        partial.replace(path)
+    except Exception:
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
-    return compiled
+        raise
