@@ -413,8 +413,8 @@ def main(argv=None) -> int:
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes on opening checkpoints read-only
     try:
         check_args(args)
-        from jaxgpt.sharding import use_compilation_cache
         from jaxgpt import programs
+        from jaxgpt.sharding import use_compilation_cache
 
         use_compilation_cache(args.compilation_cache)  # a second evaluation loads its programs
         with programs.keeping():  # and its eval step, untraced
