@@ -54,7 +54,7 @@ def code_state() -> list:
     """The code a lowering reads: jaxgpt's files, the files of every imported module that is not
     installed (a user's own) and the files the command line names (train.py's config file), each
     as (path, size, modification time), and the libraries' releases."""
-    own = Path(__file__).resolve().parents[1]  # jaxgpt/
+    own = Path(__file__).resolve().parent  # jaxgpt/
     installed = tuple({sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
                       | {sys.prefix, sys.base_prefix})
     users = {module.__file__ for module in list(sys.modules.values()) if isinstance(getattr(module, "__file__", None),

@@ -133,3 +133,15 @@ def test_nothing_is_kept_where_the_compilation_cache_is_off():
                 lambda x: x + 1).lower(1)).result()(1) == 2 and lowered == [None]  # lowered, unnamed, not kept
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
+
+
+def test_the_code_in_the_key_is_jaxgpts_files_and_the_modules_imported():
+    """jaxgpt's own files, each; not the rest of the checkout it sits in (a virtualenv there made
+    every key take 0.3 s): the bench scripts and train.py are in a key only where a process imports
+    or names them."""
+    from pathlib import Path
+
+    files = {entry[0] for entry in programs.code_state() if len(entry) == 3}
+    own = Path(programs.__file__).resolve().parent
+    assert {str(path) for path in own.rglob("*.py")} <= files
+    assert not {str(own.parent / "train.py"), str(own.parent / "bench" / "bench_startup.py")} & files
