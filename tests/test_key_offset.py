@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 import reference as ref
 import test_packed as packed
-from test_model import RECIPE, decodes_as_forward, forward, matches_reference, random_params, tiny, tokens
+from test_model import (
+    RECIPE,
+    continues_as_if_alone,
+    decodes_as_forward,
+    forward,
+    matches_reference,
+    random_params,
+    tiny,
+    tokens,
+)
 
 from jaxgpt import GPT, ComputeConfig, GPTConfig, convert, init_cache
 from jaxgpt.attention.base import offset_in_row
@@ -60,19 +69,7 @@ def test_decode_equals_forward(form):
 def test_padded_prefill_rows_continue_as_if_alone():
     """A padded prefill, then each row's index set back to its prompt's length (the softmax cache's slots
     past it are stale): the next key takes its half from the prompt's last key, not the padding's."""
-    cfg = tiny(key_offset=True, positions="rope")
-    params, lengths, x = random_params(cfg), jnp.array([3, 6]), tokens(cfg, 2, 9)
-    _, cache = forward(cfg, params, x[:, :6], init_cache(cfg, 2))
-    cache = cache.replace(index=lengths)
-    continuation = tokens(cfg, 2, 3, seed=5)
-    steps = []
-    for t in range(3):
-        logits, cache = forward(cfg, params, continuation[:, t: t + 1], cache)
-        steps.append(logits[:, 0])
-    for row, n in enumerate(lengths.tolist()):
-        alone = jnp.concatenate([x[row, :n], continuation[row]])[None]
-        np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)[row]), np.asarray(forward(cfg, params, alone)[0, n:]),
-                                   atol=1e-5, rtol=1e-5)
+    continues_as_if_alone(tiny(key_offset=True, positions="rope"))
 
 
 @pytest.mark.parametrize("kernel", ["explicit", "xla"])

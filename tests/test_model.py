@@ -179,27 +179,26 @@ def test_kv_cache_reproduces_full_forward(positions):
     decodes_as_forward(tiny(positions=positions), prompt_lengths=(1, 4, 11))
 
 
-@pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])
-def test_kv_cache_rows_at_different_positions(positions):
-    """A padded prefill, then each row's index set to its true prompt length: each row
-    continues exactly as if it had been alone."""
-    cfg = tiny(positions=positions)
-    params = random_params(cfg)
-    lengths = jnp.array([3, 6])
-    x = tokens(cfg, 2, 9)
-    cache = init_cache(cfg, 2)
-    _, cache = forward(cfg, params, x[:, :6], cache)
+def continues_as_if_alone(cfg):
+    """A padded prefill of two rows, then each row's index set to its true prompt length (the cache's
+    slots past it stale): each row's next three steps give the logits of that row alone."""
+    params, lengths, x = random_params(cfg), jnp.array([3, 6]), tokens(cfg, 2, 9)
+    _, cache = forward(cfg, params, x[:, :6], init_cache(cfg, 2))
     cache = cache.replace(index=lengths)
     continuation = tokens(cfg, 2, 3, seed=5)
     steps = []
     for t in range(3):
         logits, cache = forward(cfg, params, continuation[:, t: t + 1], cache)
         steps.append(logits[:, 0])
-    for row in range(2):
-        n = int(lengths[row])
+    for row, n in enumerate(lengths.tolist()):
         alone = jnp.concatenate([x[row, :n], continuation[row]])[None]
-        want = forward(cfg, params, alone)[0, n:]
-        np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)[row]), np.asarray(want), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)[row]), np.asarray(forward(cfg, params, alone)[0, n:]),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])
+def test_kv_cache_rows_at_different_positions(positions):
+    continues_as_if_alone(tiny(positions=positions))
 
 
 @pytest.mark.parametrize("positions", ["learned", "alibi"])

@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 import reference as ref
 import test_packed as packed
-from test_model import RECIPE, decodes_as_forward, forward, matches_reference, random_params, tiny, tokens
+from test_model import (
+    RECIPE,
+    continues_as_if_alone,
+    decodes_as_forward,
+    matches_reference,
+    random_params,
+    tiny,
+    tokens,
+)
 
-from jaxgpt import GPT, ComputeConfig, GPTConfig, convert, init_cache, ops
+from jaxgpt import GPT, ComputeConfig, GPTConfig, convert, ops
 
 CASES = {
     "rope,layer 0": {"paired_heads": (0,), "positions": "rope"},
@@ -52,19 +60,7 @@ def test_decode_equals_forward(changes):
 
 
 def test_padded_prefill_rows_continue_as_if_alone():
-    cfg = tiny(positions="rope", paired_heads=(0,))
-    params, lengths, x = random_params(cfg), jnp.array([3, 6]), tokens(cfg, 2, 9)
-    _, cache = forward(cfg, params, x[:, :6], init_cache(cfg, 2))
-    cache = cache.replace(index=lengths)
-    continuation = tokens(cfg, 2, 3, seed=5)
-    steps = []
-    for t in range(3):
-        logits, cache = forward(cfg, params, continuation[:, t: t + 1], cache)
-        steps.append(logits[:, 0])
-    for row, n in enumerate(lengths.tolist()):
-        alone = jnp.concatenate([x[row, :n], continuation[row]])[None]
-        np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)[row]), np.asarray(forward(cfg, params, alone)[0, n:]),
-                                   atol=1e-5, rtol=1e-5)
+    continues_as_if_alone(tiny(positions="rope", paired_heads=(0,)))
 
 
 @pytest.mark.parametrize("kernel", ["explicit", "xla", "blocked"])
