@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import sys
 import time
 import warnings
@@ -24,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxgpt.platforms import cpu_model  # noqa: F401  (named here too: the bench scripts read it from metrics)
 
 METRICS_FILE = "metrics.jsonl"
 PEAK_FILE = "peak_flops.json"
@@ -59,17 +60,6 @@ def matmul_rate(matmul, a, seconds: float) -> float:
 def peak_cache_path(environ=os.environ) -> Path:
     """Where measured peaks are kept: $XDG_CACHE_HOME/jaxgpt/peak_flops.json (~/.cache/…)."""
     return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxgpt" / PEAK_FILE
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo's), else what the platform module says."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return model
 
 
 def machine_key(dtype=jnp.float32) -> str:

@@ -17,8 +17,8 @@ A change to any of them lowers and compiles again. The program is then named wit
 (renamed), so XLA compiles it in the process rather than JAX's cache answering for it: only such
 a program can be kept. Programs are kept beside JAX's cache (in its directory, under programs/),
 only where that cache is on, only by a single-process run, and only within `keeping`: the
-commands whose process runs what their files say (train.py's init, train step, eval step and
-checkpoint checksums, eval.py's eval step; a notebook may change a function in memory, which no
+commands whose process runs what their files say (train.py's init, train step and eval step,
+eval.py's eval step; a notebook may change a function in memory, which no
 file shows). A value a trace finds (the params' declarations) is kept the same way (kept_value).
 A kept program that cannot be read back is compiled again: never an error.
 """
@@ -41,7 +41,7 @@ from typing import Any
 import jax
 from jax.experimental import serialize_executable
 
-from jaxgpt import metrics, platforms
+from jaxgpt import platforms
 
 FOLDER = "programs"
 
@@ -71,7 +71,7 @@ def code_state() -> list:
 
 def machine() -> list:
     devices = [(d.id, d.platform, d.device_kind, d.process_index) for d in jax.devices()]
-    return [devices, jax.process_count(), metrics.cpu_model(), sys.version]
+    return [devices, jax.process_count(), platforms.cpu_model(), sys.version]
 
 
 def fingerprint(description: str) -> str:
@@ -84,7 +84,14 @@ def fingerprint(description: str) -> str:
 def abstract(tree) -> str:
     """A description of arrays (or jax.ShapeDtypeStructs): their tree, shapes, dtypes and shardings."""
     leaves, treedef = jax.tree.flatten(tree)
-    return repr((str(treedef), [(a.shape, str(a.dtype), str(getattr(a, "sharding", None))) for a in leaves]))
+    return repr((str(treedef), [(a.shape, str(a.dtype), str(getattr(a, "sharding", None)), _devices(a))
+                                for a in leaves]))
+
+
+def _devices(leaf) -> list[int] | None:
+    """The ids of the devices `leaf` lives on (a sharding's text need not name them: GSPMDSharding's)."""
+    where = getattr(leaf, "sharding", None)
+    return None if where is None else sorted(d.id for d in where.device_set)
 
 
 def folder() -> Path | None:

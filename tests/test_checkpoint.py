@@ -91,11 +91,11 @@ def test_checksums_copy_no_tensor_to_the_host():
 def test_the_checksum_program_is_compiled_once_per_state_structure(tmp_path):
     checkpoints = Checkpoints(tmp_path, keep=5, async_save=False)
     checkpoints.save(1, state(1.0))
-    compiled = len(checkpoint._CHECKSUM_PROGRAMS)  # the programs compiled for it
+    compiled = checkpoint._device_checksums._cache_size()  # the programs jit holds for it
     for step in (2, 3):
         checkpoints.save(step, state(float(step)))
     checkpoints.close()
-    assert len(checkpoint._CHECKSUM_PROGRAMS) == compiled
+    assert checkpoint._device_checksums._cache_size() == compiled
 
 
 def test_a_non_finite_state_is_never_saved_and_the_tensor_is_named(tmp_path):

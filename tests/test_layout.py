@@ -35,6 +35,7 @@ LAYERS = (
     # optim: the optimizers and Muon's banks (a train section's names checked against its registries);
     # registries: a model's and a compute section's names checked against the registries where they are defined
     ("optim", "registries"),
+    ("programs",),  # compiled programs and traced values kept with a fingerprint of what made them
     ("tokenizers", "checkpoint", "sharding", "metrics", "lock"),
     ("cli",),
     ("data", "model"),

@@ -28,6 +28,7 @@ import glob
 import importlib.machinery
 import importlib.util
 import os
+import platform
 import sys
 import types
 from pathlib import Path
@@ -122,3 +123,14 @@ def let_cuda_plugin_in(modules=sys.modules) -> bool:
     for name in kept:
         del modules[name]
     return True
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's), else what the platform module says."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return model

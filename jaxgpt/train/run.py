@@ -158,7 +158,7 @@ def train(config, explicit: Collection[str] = (), keep_programs: bool = False) -
     """Run training as the config says (jaxgpt.config.default_config() lists every key);
     returns the final metrics, the step reached and what stopped it early, if anything.
     `explicit`: the dotted keys the user set (open_run). `keep_programs`: keep the compiled
-    programs (init, train and eval step, checksums) and the params' declarations with a
+    programs (init, train and eval step) and the params' declarations with a
     fingerprint of what made them, and read back, untraced, what a run with the same fingerprint
     kept (jaxgpt.programs); train.py asks for it, a notebook, which can change a function in
     memory where no file shows it, should not. Call
