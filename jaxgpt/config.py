@@ -118,6 +118,12 @@ class TrainConfig:
     # ((until_step, rows), …): the rows of the steps before each until_step; after the last, the run's rows
     # (train.rows_per_step, or batch_size × grad_accum). Each a multiple of train.batch_size (jaxgpt.batch_schedule)
     batch_schedule: tuple = ()
+    # ((until_step, length), …): rows of `length` tokens (the context trained on) before each until_step; after the
+    # last, model.block_size. Needs a text corpus (jaxgpt.batch_schedule)
+    length_schedule: tuple = ()
+    # ((until_step, window), …): every layer's attention reaches `window` positions back (itself and window − 1
+    # before) before each until_step; after the last, the whole context. Evaluation and sampling always see it whole
+    window_schedule: tuple = ()
     # multi-token prediction (jaxgpt.loss.multi_token): each position's logits also predict the tokens 2…K ahead,
     # K = mtp_tokens (1: the next token only), token k weighted mtp_weight^(k−1), fading linearly to 0 by
     # mtp_fraction of the schedule's steps (train.decay_steps, else train.steps)
@@ -179,9 +185,12 @@ class TrainConfig:
         self._check_batch_schedule()
 
     def _check_batch_schedule(self) -> None:
-        """Each (until_step, rows) of batch_schedule a multiple of the micro-batch, where it is known."""
+        """Each schedule a tuple of (until_step, value) pairs; each rows of batch_schedule a multiple of
+        the micro-batch, where it is known (their fit to the model: preflight.check_schedules)."""
+        for key in batch_schedule.SCHEDULES:
+            object.__setattr__(self, key, batch_schedule.checked(getattr(self, key), key))
         micro = self.batch_size or (self.rows_per_step // self.grad_accum if self.grad_accum else None)
-        object.__setattr__(self, "batch_schedule", batch_schedule.checked(self.batch_schedule, micro))
+        batch_schedule.check_rows(self.batch_schedule, micro)
 
     @property
     def step_rows(self) -> int:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import layout, ops, previous, programs, stack
-from jaxgpt.attention import FORMS, KERNELS, Where, kernels
+from jaxgpt.attention import FORMS, KERNELS, Where, check_window, kernels
 from jaxgpt.axes import rows_split
 from jaxgpt.blocks import layers_as, stack_layers, unstack_layers  # noqa: F401  (their home before jaxgpt.blocks)
 from jaxgpt.model_config import ComputeConfig, GPTConfig
@@ -334,6 +334,10 @@ class GPT(nn.Module):
     value_rows (K, B, T, H_kv, D): the value tables' rows of these tokens, looked up before
     (stack.looked_up), the tables then not read: the train step looks up a whole step's once,
     outside its loop of micro-batches. None: looked up here.
+
+    window w (no cache): every layer's query sees itself and the w − 1 positions before it, not the
+    whole row: a window schedule's training step (train.window_schedule). The softmax form without
+    paired heads only (window_conflict).
     """
 
     cfg: GPTConfig
@@ -359,10 +363,12 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, cache=None, *, positions=None, segments=None, deterministic: bool = True,
-                 hidden: bool = False, value_rows=None):
+                 hidden: bool = False, value_rows=None, window: int | None = None):
         cfg, compute = self.cfg, self.compute
         deterministic = deterministic or not self.has_rng("dropout")
         before, (positions, where, cache) = cache, locate(tokens, cache, positions, segments)
+        if window is not None:  # a query sees itself and the window − 1 positions before (ops.window_mask)
+            where = where._replace(window=check_window(cfg, window, cache))
         init, dtypes = normal(embedding_std(cfg)), (compute.compute_dtype, compute.params_dtype)
         if compute.weights == "int8":
             wte = Int8Embed(cfg.vocab_size, cfg.d_model, dtypes[0], name="wte")

@@ -180,8 +180,6 @@ def test_batch_schedule_rows_of_each_step_and_the_rows_before_it():
     for t in range(12):
         assert batch_schedule.rows_before(schedule, rows, t) == sum(batch_schedule.rows_at(schedule, rows, u)
                                                                     for u in range(t))
-    assert batch_schedule.distinct_rows(schedule, rows) == (4, 8, 12)
-    assert batch_schedule.distinct_rows(schedule, rows, start=3, end=5) == (8,)  # a resume inside the second phase
     train = TrainConfig(batch_size=4, grad_accum=3, batch_schedule=[[2, 4], [5, 8]])
     assert train.batch_schedule == schedule and train.step_rows == 12
 

@@ -156,6 +156,8 @@ class Form(NamedTuple):
       cache's included: its cache keeps the keys as they are made, and each read offsets them).
     pairs_heads: it computes model.paired_heads' layers, whose kernel is kernels.paired's (the
       heads interleaved into one sequence); its cache keeps each token's heads as they are.
+    narrows: it reads the window of a Where it is given (a training window, train.window_schedule:
+      GPT's `window`); the local form sets its own, the linear form masks no scores.
     """
 
     attend: Callable[..., tuple[jax.Array, Any]]
@@ -168,6 +170,7 @@ class Form(NamedTuple):
     slots_by_position: bool = False
     offsets_keys: bool = False
     pairs_heads: bool = False
+    narrows: bool = False
 
 
 def offset_in_row(k, positions, segments=None):

@@ -117,4 +117,5 @@ def init_cache(cfg, batch_size: int, max_length: int | None = None, dtype=jnp.fl
                    tokens=jnp.zeros((batch_size, max_length), jnp.int32))
 
 
-FORM = Form(attend=attend, init_cache=init_cache, slots_by_position=True, offsets_keys=True, pairs_heads=True)
+FORM = Form(attend=attend, init_cache=init_cache, slots_by_position=True, offsets_keys=True, pairs_heads=True,
+            narrows=True)

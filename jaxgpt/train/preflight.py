@@ -1,7 +1,8 @@
 """What a run is checked against before its first step (jaxgpt.train.opening.open_run), so that nothing
 impossible is found after the data is read, or after the last step:
 
-    check_sections    the sample, data and mesh sections, and the batch sizes on the mesh
+    check_sections    the sample, data and mesh sections, the batch sizes on the mesh, and the schedules
+                      of the batches' shapes against the model and the data
     start_from        init_from resolved: the source fixes the model and the tokenizer; a key the
                       user set that it fixes otherwise is refused, naming it; the config says
                       what the run really uses (config.json describes the run as it is)
@@ -24,6 +25,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxgpt import data, sharding, tokenizers
+from jaxgpt.attention import window_conflict
 from jaxgpt.config import ComputeConfig, DataConfig, GPTConfig, SampleConfig, TrainConfig
 from jaxgpt.errors import ConfigError, DataError
 from jaxgpt.model import param_count
@@ -42,6 +44,7 @@ def check_sections(config, train_cfg: TrainConfig) -> Mesh:
     mesh = sharding.make_mesh(config.mesh)
     check_batch_sizes(train_cfg, mesh)
     check_targets_ahead(train_cfg, config.model.block_size)
+    check_schedules(train_cfg, config.model, config.data.format == "records")
     check_untie(train_cfg, config.model.tie_embeddings)
     for note in unused_settings(config, train_cfg):
         print(f"jaxgpt: {note}", file=sys.stderr)
@@ -53,6 +56,30 @@ def check_targets_ahead(train_cfg: TrainConfig, block_size: int) -> None:
     if train_cfg.mtp_tokens > block_size:
         raise ConfigError(f"train.mtp_tokens={train_cfg.mtp_tokens} predicts past the block of model.block_size="
                           f"{block_size} tokens: choose at most {block_size}")
+
+
+def check_schedules(train_cfg: TrainConfig, model, records: bool) -> None:
+    """train.length_schedule's lengths within the block (and as long as multi-token prediction's targets
+    ahead), on a text corpus; train.window_schedule's windows shorter than the block, of a model a
+    window can narrow (jaxgpt.model.window_conflict)."""
+    block = model.block_size
+    for step, length in train_cfg.length_schedule:
+        if length > block:
+            raise ConfigError(f"train.length_schedule: rows of {length} tokens before step {step} do not fit "
+                              f"model.block_size={block}: choose lengths of at most {block}")
+        if length < train_cfg.mtp_tokens:
+            raise ConfigError(f"train.length_schedule: rows of {length} tokens before step {step} are shorter than "
+                              f"train.mtp_tokens={train_cfg.mtp_tokens} targets ahead: choose at least that")
+    if train_cfg.length_schedule and records:
+        raise ConfigError("train.length_schedule needs a text corpus: records are packed into rows of "
+                          "model.block_size (data.format='records'); drop the schedule")
+    for step, window in train_cfg.window_schedule:
+        if window >= block:
+            raise ConfigError(f"train.window_schedule: a window of {window} before step {step} is the whole block "
+                              f"of model.block_size={block} or more: choose windows below {block}, or drop the pair")
+    conflict = window_conflict(model) if train_cfg.window_schedule else None
+    if conflict:
+        raise ConfigError(f"train.window_schedule: {conflict}; drop the schedule")
 
 
 def unused_settings(config, train_cfg: TrainConfig) -> list[str]:

@@ -63,20 +63,22 @@ __all__ = ["CONFIG_FILE", "TOKENIZER_FILE", "Run", "TrainingError", "compute_con
 
 
 def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, abstract: TrainState, packed: bool,
-                     grad_accum: int | None = None, name: str | None = None):
+                     grad_accum: int | None = None, name: str | None = None, length: int | None = None,
+                     window: int | None = None):
     """train_step(state, batch, seed) lowered for the state `abstract` (shapes, dtypes and
     shardings) and batches of train_cfg's rows (packed: records' rows, else text windows),
     ready to compile; train.py and jaxgpt.compile both build it here. The step's dropout key,
     fold_in(key(seed), state.step), is made inside it: the loop runs one program per step.
-    `grad_accum`: micro-batches of train.batch_size rows a step (None: train.grad_accum; a
-    batch-size schedule's steps take others). `name`: the program's (programs.renamed)."""
+    `grad_accum`: micro-batches of train.batch_size rows a step (None: train.grad_accum), `length`
+    the tokens of a row (None: model.block_size), `window` how far back attention reaches (None: the
+    whole row): a scheduled step's (batch_schedule.Shape). `name`: the program's (programs.renamed)."""
     accum = train_cfg.grad_accum if grad_accum is None else grad_accum
     batches = sharding.batch_sharding(mesh)
-    fields = batch_fields(accum * train_cfg.batch_size, gpt.cfg.block_size, packed)
+    fields = batch_fields(accum * train_cfg.batch_size, length or gpt.cfg.block_size, packed)
     batch = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=batches) for shape, dtype in fields)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     step = make_train_step(gpt, optimizer, learning_rate_schedule(train_cfg), accum, shardings.params,
-                           ahead_weights(train_cfg))
+                           ahead_weights(train_cfg), window=window)
     jitted = jax.jit(programs.renamed(seeded(step), name), in_shardings=(shardings, (batches,) * len(batch), None),
                      out_shardings=(shardings, None), donate_argnums=0,
                      compiler_options=sharding.compiler_options(mesh))
@@ -84,33 +86,34 @@ def lower_train_step(gpt: GPT, train_cfg: TrainConfig, mesh: Mesh, optimizer, ab
         return jitted.lower(abstract, batch, train_cfg.seed)
 
 
-def rows_at(train_cfg: TrainConfig):
-    """step ↦ the rows of its batch: train.batch_schedule's, then batch_size × grad_accum."""
-    rows = train_cfg.step_rows
-    return lambda step: batch_schedule.rows_at(train_cfg.batch_schedule, rows, step)
+def shape_at(run: Run):
+    """step ↦ the shape of its batch (batch_schedule.Shape): the schedules', then the run's own."""
+    return lambda step: batch_schedule.shape_at(run.train, run.model.block_size, step)
 
 
 def _batch_maker(run: Run):
-    """make_batch(step, rows): the rows of step's training batch, on the host."""
-    tc = run.train
-    rows_of = rows_at(tc)
+    """make_batch(step, rows): the rows of step's training batch, on the host: rows(step) windows
+    of length(step) + 1 tokens, or packed records' rows (no length schedule: preflight)."""
+    tc, shape_of = run.train, shape_at(run)
 
     def make_batch(step: int, part: slice):
+        shape = shape_of(step)
         if run.corpus.records:
             before = batch_schedule.rows_before(tc.batch_schedule, tc.step_rows, step)
             return data.packed_batch(run.corpus.examples["train"], run.layouts["train"], seed=tc.seed, step=step,
-                                     batch_size=rows_of(step), rows=part, loss_on=run.config.data.records.loss_on,
+                                     batch_size=shape.rows, rows=part, loss_on=run.config.data.records.loss_on,
                                      drawn_before=before)
-        return data.train_batch(run.corpus.train, seed=tc.seed, step=step, batch_size=rows_of(step),
-                                block_size=run.model.block_size, rows=part)
+        return data.train_batch(run.corpus.train, seed=tc.seed, step=step, batch_size=shape.rows,
+                                block_size=shape.length, rows=part)
 
     return make_batch
 
 
 def train_batches(run: Run, start_step: int) -> data.DeviceBatches:
     """The training batches from start_step on, made ahead and laid out on the mesh."""
+    shape_of = shape_at(run)
     return data.DeviceBatches(_batch_maker(run), start_step=start_step, end_step=run.train.steps,
-                              batch_size=rows_at(run.train), sharding=sharding.batch_sharding(run.mesh))
+                              batch_size=lambda step: shape_of(step).rows, sharding=sharding.batch_sharding(run.mesh))
 
 
 def evaluate(run: Run, params) -> dict:
@@ -181,17 +184,17 @@ def train(config, explicit: Collection[str] = (), keep_programs: bool = False) -
                 leave_nothing(run.directory, run.before)
 
 
-def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, Any]]:
-    """(the state, the step to start at, the compiled train step of each batch's rows: one, or
-    one per distinct rows of train.batch_schedule from the start on; none when no step is left).
+def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[batch_schedule.Shape, Any]]:
+    """(the state, the step to start at, the compiled train step of each batch's shape: one, or
+    one per distinct shape of the schedules from the start on; none when no step is left).
     XLA compiles the steps and the init in threads (or they are read back, programs.keeping)
     while the state is made or restored: a first run waits for the longest, not their sum."""
     tc = run.train
     abstract = abstract_state(run.gpt, optimizer, run.mesh)
     saved = max(run.checkpoints.steps(), default=0) if run.resuming else 0
-    rows = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, saved, tc.steps)
+    shapes = batch_schedule.shapes(tc, run.model.block_size, saved)
     with ThreadPoolExecutor(2, thread_name_prefix="jaxgpt-compile") as compiler:
-        compiling = {r: _train_step(run, optimizer, abstract, r, compiler) for r in rows} if saved < tc.steps else {}
+        compiling = {s: _train_step(run, optimizer, abstract, s, compiler) for s in shapes} if saved < tc.steps else {}
         init = None if run.resuming or run.config.init_from else _init_program(run, optimizer, abstract, compiler)
         if saved < tc.steps:  # the run's evaluations
             evaluation.prepare(run.gpt, abstract.params, tc.eval_batch_size, run.corpus.records,
@@ -199,16 +202,16 @@ def _state_and_steps(run: Run, optimizer) -> tuple[TrainState, int, dict[int, An
         state, _, start_step = init_or_restore(run, optimizer, tc.seed, abstract, init=init)
     if start_step >= tc.steps:
         return state, start_step, {}
-    needed = batch_schedule.distinct_rows(tc.batch_schedule, tc.step_rows, start_step, tc.steps)
-    return state, start_step, {r: (compiling[r] if r in compiling else _train_step(run, optimizer, abstract, r, None)
-                                   ).result() for r in needed}
+    needed = batch_schedule.shapes(tc, run.model.block_size, start_step)
+    return state, start_step, {s: (compiling[s] if s in compiling else _train_step(run, optimizer, abstract, s, None)
+                                   ).result() for s in needed}
 
 
 # The train settings no compiled program reads (the seed is an argument of the train step and the
-# init): left out of their descriptions, so that runs which differ only there (a sweep's seeds)
-# share their kept programs.
+# init; a train step's description names its own shape instead of the schedules): left out of their
+# descriptions, so that runs which differ only there (a sweep's seeds) share their kept programs.
 OUTSIDE_PROGRAMS = frozenset({"seed", "eval_every", "eval_batch_size", "eval_max_batches", "log_every", "ckpt_every",
-                              "keep_checkpoints", "async_checkpoints", "peak_flops"})
+                              "keep_checkpoints", "async_checkpoints", "peak_flops", *batch_schedule.SCHEDULES})
 
 
 def _in_programs(tc: TrainConfig) -> dict:
@@ -226,16 +229,17 @@ def _init_program(run: Run, optimizer, abstract: TrainState, compiler: ThreadPoo
                              compiler)
 
 
-def _train_step(run: Run, optimizer, abstract: TrainState, rows: int, compiler: ThreadPoolExecutor | None
-                ) -> programs.Pending:
-    """The train step for batches of `rows`: kept, or lowered here and compiled on `compiler`'s
+def _train_step(run: Run, optimizer, abstract: TrainState, shape: batch_schedule.Shape,
+                compiler: ThreadPoolExecutor | None) -> programs.Pending:
+    """The train step for batches of `shape`: kept, or lowered here and compiled on `compiler`'s
     thread (None: now), as programs.compiled does."""
-    tc, accum = run.train, rows // run.train.batch_size
+    tc, accum = run.train, shape.rows // run.train.batch_size
     description = repr(("train_step", run.gpt.cfg, run.gpt.compute, _in_programs(tc), run.corpus.records, accum,
-                        sharding.compiler_options(run.mesh), dict(run.mesh.shape),
+                        shape.length, shape.window, sharding.compiler_options(run.mesh), dict(run.mesh.shape),
                         [d.id for d in run.mesh.devices.flat], programs.abstract(abstract)))
     return programs.compiled(description, "train_step", lambda name: lower_train_step(
-        run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records, accum, name=name), compiler)
+        run.gpt, tc, run.mesh, optimizer, abstract, run.corpus.records, accum, name=name, length=shape.length,
+        window=shape.window), compiler)
 
 
 def _train(run: Run, stop: StopRequested) -> dict:
@@ -249,8 +253,8 @@ def _train(run: Run, stop: StopRequested) -> dict:
     optimizer = make_optimizer(tc, param_layout(run.gpt))
     state, start_step, train_steps = _state_and_steps(run, optimizer)
     tokens_per_step = tc.step_rows * run.model.block_size
-    tokens_before = lambda step: run.model.block_size * batch_schedule.rows_before(  # noqa: E731
-        tc.batch_schedule, tc.step_rows, step)
+    tokens_before = lambda step: batch_schedule.tokens_before(tc, run.model.block_size, step)  # noqa: E731
+    shape_of = shape_at(run)
     meter = metrics.Meter(tokens_per_step, flops_per_token(run.model, run.model.block_size), metrics.peak_flops(
         tc.peak_flops), measured=not tc.peak_flops, tokens_before=tokens_before)
     log = metrics.MetricsLog(run.directory, tc.steps, start_step, enabled=run.lead)
@@ -263,7 +267,7 @@ def _train(run: Run, stop: StopRequested) -> dict:
     with train_batches(run, start_step if not interrupted else tc.steps) as batches:
         try:
             for _, batch in batches:
-                state, step_metrics = train_steps[batch[0].shape[0]](state, batch, tc.seed)
+                state, step_metrics = train_steps[shape_of(step)](state, batch, tc.seed)
                 run.checkpoints.check_saves()
                 step, run.stepped = step + 1, True
                 meter.add(step, step_metrics)
@@ -355,8 +359,9 @@ def _last_good(run: Run) -> str:
 def _announcement(run: Run, start_step: int, tokens_per_step: int, peak: float | None) -> str:
     cfg = run.model
     mfu = metrics.peak_line(peak, run.train.peak_flops)
-    scheduled = f" (before that, train.batch_schedule's rows {list(run.train.batch_schedule)})" \
-        if run.train.batch_schedule else ""
+    scheduled = "; ".join(f"train.{key}'s {what}s {list(getattr(run.train, key))}"
+                          for key, (what, _) in batch_schedule.SCHEDULES.items() if getattr(run.train, key))
+    scheduled = f" (before that, {scheduled})" if scheduled else ""
     return (f"jaxgpt: {cfg.n_layer} layers, d_model {cfg.d_model}, {jax.device_count()} {jax.default_backend()} "
             f"device(s), mesh {dict(run.mesh.shape)}, {tokens_per_step} tokens/step{scheduled}, "
             f"{_start(run, start_step)}; {mfu}")

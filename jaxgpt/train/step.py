@@ -54,17 +54,19 @@ def as_model(model: GPT | GPTConfig) -> GPT:
 
 
 def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *, positions=None, segments=None,
-            count=None, ahead=None, value_rows=None):
+            count=None, ahead=None, value_rows=None, window=None):
     """Cross-entropy of the model's next-token predictions: the mean over the targets where
     `mask` is True, or their sum over `count` (see ops.cross_entropy); with compute.loss_chunk,
     the logits made and their gradient taken a chunk of tokens at a time (chunked.chunked_cross_entropy).
     ahead (K,): multi-token prediction's weights w_k, each position's logits also scored on the
     targets k − 1 further on (jaxgpt.loss.multi_token), still over the count of next-token targets.
-    value_rows: the value tables' rows of `inputs`, looked up before (looked_up; see GPT)."""
+    value_rows: the value tables' rows of `inputs`, looked up before (looked_up; see GPT). window: how far
+    back attention reaches (a window schedule's step; None: the whole row)."""
     rngs = {} if dropout_key is None else {"dropout": dropout_key}
     chunk = model.compute.loss_chunk
     out = model.apply({"params": params}, inputs, positions=positions, segments=segments,
-                      deterministic=dropout_key is None, rngs=rngs, hidden=bool(chunk), value_rows=value_rows)
+                      deterministic=dropout_key is None, rngs=rngs, hidden=bool(chunk), value_rows=value_rows,
+                      window=window)
     if ahead is not None:  # K targets a position: logits (B, T, 1, V) against targets (B, T, K)
         count = (targets.size if mask is None else mask.sum(dtype=jnp.float32)) if count is None else count
         targets, mask = multi_token.targets_ahead(targets, mask, segments, ahead)
@@ -77,7 +79,7 @@ def loss_fn(model: GPT, params, inputs, targets, mask=None, dropout_key=None, *,
 
 
 def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformation, schedule: Callable,
-                    grad_accum: int = 1, grad_shardings=None, ahead: Callable | None = None):
+                    grad_accum: int = 1, grad_shardings=None, ahead: Callable | None = None, window=None):
     """train_step(state, batch, key) for a batch of k·B rows (k = grad_accum): batch is
     (inputs, targets) of a text stream, or (inputs, targets, mask, positions, segments) of
     packed examples (the loss only on the targets where mask is True; see GPT).
@@ -95,10 +97,11 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
     them, which stay on their devices, and the tables' gradient is made of all of them once
     after it.
 
-    ahead: step → (K,) the weights of multi-token prediction at that step (ahead_weights), or None:
-    the next token only. The loss it reports is then the objective, auxiliary targets included.
-    An optimizer made with train.untie_at ties the embedding and the unembedding until its untie
-    step (`tied`: the loss reads W_U = Eᵀ, the step writes it; then W_U's state starts as E's)."""
+    ahead: step → (K,) multi-token prediction's weights at that step (ahead_weights), or None: the
+    next token only (the loss reported is then the objective). window: every layer's attention
+    reaches that far back (a window schedule's step; None: the whole row). An optimizer made with
+    train.untie_at ties E and W_U until its untie step (`tied`: the loss reads W_U = Eᵀ, the step
+    writes it; then W_U's state starts as E's)."""
     model = as_model(model)
     use_dropout = model.cfg.dropout > 0
     tie, untie_state = tied(optimizer)
@@ -118,7 +121,7 @@ def make_train_step(model: GPT | GPTConfig, optimizer: optax.GradientTransformat
             def objective(params, value_rows):
                 return loss_fn(model, tie(params, state.step), x, y, mask, dropout_key, positions=positions,
                                segments=segments, count=count, ahead=None if ahead is None else ahead(state.step),
-                               value_rows=value_rows)
+                               value_rows=value_rows, window=window)
 
             loss, (grads, row_grads) = jax.value_and_grad(objective, argnums=(0, 1))(state.params, value_rows)
             return laid_out(jax.tree.map(jnp.add, grad_sum, laid_out(grads))), (loss, row_grads)
