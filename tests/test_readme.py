@@ -160,7 +160,7 @@ def test_docs_sweep_tables_are_their_commands_cells():
 
     results = {}
     tables = list(sweep_tables())
-    assert len(tables) == 11  # three grids, the modern recipe's ablation, the later techniques' seven
+    assert len(tables) == 16  # three grids, the modern recipe's ablation, the later techniques' twelve
     for argv, rows, left_out in tables:
         args, config_argv = sweep.parse_args(argv)
         ablations = sweep.ablations_of(args.ablate, config_argv) if args.ablate else None

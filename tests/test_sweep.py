@@ -209,3 +209,15 @@ def test_a_muon_coeffs_table_is_one_ablation_value_in_either_form(written):
     setting = ablations_of([f"pe:train.muon_coeffs={written},train.muon_ns_steps=2"])["pe"]
     assert setting == {"train.muon_coeffs": written, "train.muon_ns_steps": "2"}
     assert ns_coefficients(setting["train.muon_coeffs"]) == ((3.4445, -4.775, 2.0315), (3.0, -3.2, 1.2))
+
+
+def test_a_setting_that_reached_the_target_on_some_seeds_keeps_the_tables_columns():
+    """One seed of two reached it: its steps and seconds, each cell saying so, in the table's columns."""
+    from jaxgpt.sweep.summary import summary_table
+
+    row = dict(final_val_loss=1.9, best_val_loss=1.9, val_bpb=2.7, tokens_per_sec=1000.0, params=10)
+    rows = [dict(row, cell="a,seed=0", steps_to_target=140, seconds_to_target=9.0),
+            dict(row, cell="a,seed=1", steps_to_target=None, seconds_to_target=None)]
+    header, _, line = summary_table(rows, target=1.95)
+    assert line.count("|") == header.count("|")
+    assert line.endswith("| 140 (1 of 2 seeds) | 9.0 (1 of 2 seeds) |")

@@ -80,9 +80,9 @@ def summary_table(rows: list[dict], target: float | None = None) -> list[str]:
                 f"| {stat('val_bpb', '.3f')} | {stat('tokens_per_sec', ',.0f')} | {group[0]['params']:,} |")
         if timed:
             reached = [r for r in group if r["steps_to_target"] is not None]
-            line += (f" {stat('steps_to_target', '.0f', reached)} | {stat('seconds_to_target', '.1f', reached)} |"
-                     + (f" ({len(reached)} of {len(group)} seeds)" if len(reached) < len(group) else "")
-                     if reached else f" {NOT_REACHED} | {NOT_REACHED} |")
+            some = f" ({len(reached)} of {len(group)} seeds)" if len(reached) < len(group) else ""  # in each cell
+            line += (f" {stat('steps_to_target', '.0f', reached)}{some} | {stat('seconds_to_target', '.1f', reached)}"
+                     f"{some} |" if reached else f" {NOT_REACHED} | {NOT_REACHED} |")
         lines.append(line)
     return lines
 
