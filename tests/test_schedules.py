@@ -51,6 +51,28 @@ def test_a_window_is_the_float64_reference_with_the_local_mask(positions):
     assert np.abs(np.asarray(forward(cfg, params, x)) - want).max() > 1e-3  # the window changed the logits
 
 
+def test_a_window_keeps_packed_examples_apart_and_scans_as_it_loops():
+    """Records' packed rows: each example's logits under the window are its logits alone under it.
+    compute.scan_layers: the scan computes what the loop does (a window is static in both)."""
+    import jax.numpy as jnp
+    import test_packed as packed
+
+    from jaxgpt import ComputeConfig
+    from jaxgpt.blocks import layers_as
+
+    cfg = packed.tiny(positions="rope")
+    params = packed.init(cfg)
+    (x, positions, segments), examples = packed.packed_row((11, 6), cfg.block_size, np.random.default_rng(1))
+    logits = GPT(cfg).apply({"params": params}, x, positions=positions, segments=segments, window=4)
+    start = 0
+    for example in examples:
+        alone = GPT(cfg).apply({"params": params}, jnp.asarray(example, jnp.int32)[None], window=4)
+        np.testing.assert_allclose(logits[0, start:start + len(example)], alone[0], atol=1e-5)
+        start += len(example)
+    scanned = GPT(cfg, ComputeConfig(scan_layers=True)).apply({"params": layers_as(params, True)}, x, window=4)
+    np.testing.assert_allclose(scanned, GPT(cfg).apply({"params": params}, x, window=4), atol=1e-5)
+
+
 def test_a_scheduled_run_resumed_ends_where_an_uninterrupted_one_does(tmp_path, corpus):  # noqa: F811
     """Rows of 8 tokens and a window of 4 before step 2, then the block's 16 with a window of 8 before
     step 4: a run stopped at step 3 and resumed ends where one run of 5 steps does; the tokens it
