@@ -61,7 +61,7 @@ def check_targets_ahead(train_cfg: TrainConfig, block_size: int) -> None:
 def check_schedules(train_cfg: TrainConfig, model, records: bool) -> None:
     """train.length_schedule's lengths within the block (and as long as multi-token prediction's targets
     ahead), on a text corpus; train.window_schedule's windows shorter than the block, of a model a
-    window can narrow (jaxgpt.model.window_conflict)."""
+    window can narrow (jaxgpt.attention.window_conflict)."""
     block = model.block_size
     for step, length in train_cfg.length_schedule:
         if length > block:
