@@ -6,7 +6,8 @@ source as training reads it: a file, directory or glob, 'stdlib', or 'tfds:NAME[
 tokenized with the model's own tokenizer. The windows are those of training's evaluation:
 block_size tokens each, every target counted once, each window --stride tokens after the
 last (default block_size; a smaller stride gives each target more context). A progress
-bar goes to stderr and one JSON line to stdout.
+bar goes to stderr and one JSON line to stdout. On a CPU the windows of each batch are split
+over one device per core, as train.py runs (as many as divide the batch).
 
 Splits: a run is evaluated by default on the validation split it held out while training
 (its own data settings; with --data, the same fraction of that source held out the same
@@ -46,6 +47,7 @@ jaxgpt.score.choices.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -197,6 +199,25 @@ def load_model(args):
     return params, config, tokenizer, json.loads((Path(args.run_dir) / "config.json").read_text(encoding="utf-8"))
 
 
+def eval_batch_size(args, saved: dict) -> int:
+    """Windows (or rows of records) per batch: --batch_size, else the run's eval batch size."""
+    return args.batch_size or saved.get("train", {}).get("eval_batch_size") or DEFAULT_BATCH_SIZE
+
+
+def use_every_core(args) -> None:
+    """Before JAX starts: on a CPU, one device per core that divides the eval batch, as train.py
+    runs (jaxgpt.sharding.use_cpu_cores), so that the windows of a batch are evaluated on all cores
+    at once. (--choices scores its items on one device.)"""
+    from jaxgpt.sharding import ROWS_MESH, use_cpu_cores
+
+    saved = {}
+    if args.run_dir is not None:  # a missing or malformed config.json is load_model's to report
+        with contextlib.suppress(OSError, ValueError):
+            saved = json.loads((Path(args.run_dir) / "config.json").read_text(encoding="utf-8"))
+    if args.choices is None:
+        use_cpu_cores(ROWS_MESH, [eval_batch_size(args, saved if isinstance(saved, dict) else {})])
+
+
 def data_config(args, saved: dict, split: str) -> dict:
     """The data settings to prepare (with the model's own tokenizer): the run's own (if any),
     --data as the only source when given, and no held-out part for 'all'."""
@@ -232,9 +253,10 @@ def check_unknown(args, tokens, tokenizer, where: str) -> tuple[float, float | N
 
 
 def evaluate(args) -> dict:
+    import jax
     from tqdm.auto import tqdm
 
-    from jaxgpt import convert, data
+    from jaxgpt import convert, data, sharding
     from jaxgpt.train.evaluation import evaluate_tokens
 
     if args.choices is not None:
@@ -255,7 +277,7 @@ def evaluate(args) -> dict:
         raise ValueError(f"the {split} split of {source!r} has {len(tokens)} token(s), too few to evaluate "
                          "(one input and one target): choose another --split, or raise --val_fraction for 'val'")
     stride = args.stride if args.stride is not None else saved.get("data", {}).get("eval_stride")
-    batch_size = args.batch_size or saved.get("train", {}).get("eval_batch_size") or DEFAULT_BATCH_SIZE
+    batch_size = eval_batch_size(args, saved)
     unknown_fraction, known_bytes_per_token = check_unknown(
         args, tokens, tokenizer, repr(source) if split == "all" else f"the {split} split of {source!r}")
     bytes_per_token = known_bytes_per_token or corpus.bytes_per_token["val" if split == "val" else "train"]
@@ -266,9 +288,12 @@ def evaluate(args) -> dict:
         def on_batch(done: int, _total: int) -> None:
             bar.update(done - bar.n)
 
-        result = evaluate_tokens(config, params, tokens, bytes_per_token, batch_size=batch_size, stride=stride,
-                                 max_batches=args.max_batches, on_batch=on_batch,
-                                 ignore_id=tokenizer.unk_id if args.mask_unknown else None)
+        mesh = sharding.rows_mesh(batch_size)
+        with jax.set_mesh(mesh):
+            result = evaluate_tokens(config, sharding.replicated(params, mesh), tokens, bytes_per_token,
+                                     batch_size=batch_size, stride=stride, max_batches=args.max_batches,
+                                     on_batch=on_batch, ignore_id=tokenizer.unk_id if args.mask_unknown else None,
+                                     batch_sharding=sharding.batch_sharding(mesh))
     calibrated = calibrate(args, config, params, tokens, batch_size, stride) if args.calibration else {}
     return {
         **calibrated,
@@ -296,7 +321,7 @@ def evaluate_records(args, params, config, tokenizer, corpus, saved: dict, split
     if not len(examples):
         raise ValueError(f"the {split} split of {source!r} holds no records: choose another --split, or raise "
                          "--val_fraction for 'val'")
-    batch_size = args.batch_size or saved.get("train", {}).get("eval_batch_size") or DEFAULT_BATCH_SIZE
+    batch_size = eval_batch_size(args, saved)
     unknown_fraction, known_bytes_per_token = check_unknown(args, examples.tokens, tokenizer,
                                                             f"the {split} split of {source!r}")
     loss = records_loss(args, params, config, tokenizer, examples, saved.get("data", {}), batch_size,
@@ -348,20 +373,24 @@ def evaluate_choices(args) -> dict:
 def records_loss(args, params, config, tokenizer, examples, data_section: dict, batch_size: int,
                  bytes_per_token: float) -> dict:
     """The loss over the completions of the examples, packed into rows as the run packed them."""
+    import jax
     from tqdm.auto import tqdm
 
-    from jaxgpt import data
+    from jaxgpt import data, sharding
     from jaxgpt.config import DataConfig
     from jaxgpt.train.evaluation import evaluate_examples
 
     records = DataConfig.from_mapping(data_section).records  # a run's saved data section, old or new
     layout = data.plan(examples, config.block_size, records.packing, records.truncate)
     total = data.num_eval_rows(layout, batch_size)
+    mesh = sharding.rows_mesh(batch_size)
     with tqdm(total=min(total, args.max_batches or total), unit="batch", desc="eval", file=sys.stderr,
-              dynamic_ncols=True, mininterval=0.5) as bar:
-        return evaluate_examples(config, params, examples, layout, bytes_per_token, batch_size=batch_size,
-                                 max_batches=args.max_batches, on_batch=lambda done, _: bar.update(done - bar.n),
-                                 ignore_id=tokenizer.unk_id if args.mask_unknown else None)
+              dynamic_ncols=True, mininterval=0.5) as bar, jax.set_mesh(mesh):
+        return evaluate_examples(config, sharding.replicated(params, mesh), examples, layout, bytes_per_token,
+                                 batch_size=batch_size, max_batches=args.max_batches,
+                                 on_batch=lambda done, _: bar.update(done - bar.n),
+                                 ignore_id=tokenizer.unk_id if args.mask_unknown else None,
+                                 batch_sharding=sharding.batch_sharding(mesh))
 
 
 def answer_records(args, params, config, tokenizer, examples, batch_size: int) -> tuple[dict, list[dict]]:
@@ -416,6 +445,7 @@ def main(argv=None) -> int:
         from jaxgpt import programs
         from jaxgpt.sharding import use_compilation_cache
 
+        use_every_core(args)
         use_compilation_cache(args.compilation_cache)  # a second evaluation loads its programs
         with programs.keeping():  # and its eval step, untraced
             result = evaluate(args)

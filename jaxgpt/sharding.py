@@ -91,6 +91,22 @@ def batch_size_divisor(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+# The rows of a batch over the devices, every parameter on each: a command that only evaluates
+# (eval.py) on one CPU device per core (use_cpu_cores before JAX starts).
+ROWS_MESH = {"data": -1, "fsdp": 1, "tensor": 1, "cpu_devices": -1}
+
+
+def rows_mesh(batch_size: int) -> Mesh:
+    """A data mesh over the first n devices, n the most of them that divides `batch_size`."""
+    n = max(n for n in range(1, jax.device_count() + 1) if batch_size % n == 0)
+    return make_mesh(ROWS_MESH, devices=jax.devices()[:n])
+
+
+def replicated(tree, mesh: Mesh):
+    """`tree`'s arrays copied whole onto every device of `mesh` (place)."""
+    return place(tree, jax.tree.map(lambda _: NamedSharding(mesh, P()), tree))
+
+
 def available_cores() -> int:
     """CPU cores this process may run on."""
     try:

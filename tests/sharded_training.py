@@ -1,7 +1,7 @@
 """Run by tests/test_training.py in a subprocess with 8 fake CPU devices: three train steps
 on each mesh shape (data; data, fsdp and tensor at once; tensor), and on one device,
-printed as JSON (loss and parameter differences). tests/test_muon.py runs `run` with other
-train settings."""
+printed as JSON (loss and parameter differences), and an evaluation split over the devices.
+tests/test_muon.py runs `run` with other train settings."""
 
 import json
 import os
@@ -55,6 +55,21 @@ def run(mesh_shape, train=TRAIN, cfg=CFG):
     return losses, jax.device_get(state.params), sharded_leaves, state
 
 
+def evaluation(params):
+    """eval.py's split of a batch's rows (sharding.rows_mesh: the most devices that divide the batch,
+    every parameter on each) against one device's evaluation of the same windows."""
+    from jaxgpt.train.evaluation import evaluate_tokens
+
+    tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, size=6 * 4 * CFG.block_size + 1).astype(np.int32)
+    one = evaluate_tokens(CFG, params, tokens, 1.0, batch_size=6)
+    mesh = sharding.rows_mesh(6)
+    with jax.set_mesh(mesh):
+        split = evaluate_tokens(CFG, sharding.replicated(params, mesh), tokens, 1.0, batch_size=6,
+                                batch_sharding=sharding.batch_sharding(mesh))
+    return {"devices": {b: sharding.rows_mesh(b).shape["data"] for b in (6, 7, 8, 12)},
+            "loss_diff": abs(split["val_loss"] - one["val_loss"]), "tokens": [one["val_tokens"], split["val_tokens"]]}
+
+
 def main():
     assert jax.device_count() == 8, jax.devices()
     ref_losses, ref_params, _, _ = run(None)
@@ -65,6 +80,7 @@ def main():
         diff = max(float(np.abs(a - b).max()) for a, b in pairs)
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
         out[str(shape)] = {"loss_diff": loss_diff, "param_diff": diff, "sharded_leaves": sharded_leaves}
+    out["evaluation"] = evaluation(ref_params)
     json.dump(out, sys.stdout)
 
 

@@ -43,12 +43,16 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def test_sharded_training_equals_single_device():
     """On 8 fake CPU devices: meshes (8,1,1), (2,2,2), (1,1,8) give the single-device
-    losses and parameters after 3 steps (with 2 accumulated micro-batches per step)."""
+    losses and parameters after 3 steps (with 2 accumulated micro-batches per step); an evaluation
+    split over the devices (eval.py's) the single-device loss over the same tokens."""
     env = {**os.environ, "XLA_FLAGS": xla_flags(8), "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(TESTS / "sharded_training.py")], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout)
+    evaluation = results.pop("evaluation")  # eval.py's rows over the devices that divide its batch
+    assert evaluation["devices"] == {"6": 6, "7": 7, "8": 8, "12": 6}, evaluation
+    assert evaluation["tokens"] == [6 * 4 * 16] * 2 and evaluation["loss_diff"] < 1e-6, evaluation
     assert set(results) == {"(8, 1, 1)", "(2, 2, 2)", "(1, 1, 8)"}
     for mesh, r in results.items():
         assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, (mesh, r)
