@@ -9,9 +9,8 @@ import os
 
 from processes import SUITE_XLA_FLAGS
 
-# The suite's XLA flags (below) are in the environment when jaxgpt and JAX start, and only then
-_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS")
-os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS or ''} {SUITE_XLA_FLAGS}".strip()
+# The suite's XLA flags (below) are in the environment when jaxgpt and JAX start
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
 import jaxgpt  # noqa: F401,E402  (before JAX: keeps an accelerator's plugin this machine cannot use out, jaxgpt.platforms)
 # isort: on
 import atexit  # noqa: E402
@@ -39,14 +38,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # step compiles in 0.35 s instead of 1.65 s on a 2-core Xeon (the suite: 884 s to 620 s), and
 # runs slower, which tiny programs do not feel. Values differ from the defaults' by rounding:
 # every test compares programs compiled alike, or holds a tolerance. XLA reads its flags when the
-# backend starts, here; the commands the tests run in subprocesses compile as a user's do, with
-# the flags the suite was started with. (jaxgpt.platforms.STARTED_WITH holds the suite's, which
-# the programs kept by jaxgpt.programs are found by.)
+# backend starts, here; the suite's subprocesses (train.py killed and resumed, several processes
+# training together) inherit them. The README's and docs' commands compile as a user's do, with
+# the flags the suite was started with (tests/test_user_commands.py, tests/test_docs_commands.py
+# take the suite's out). (jaxgpt.platforms.STARTED_WITH holds the suite's, which the programs kept
+# by jaxgpt.programs are found by.)
 jax.devices()
-if _USER_XLA_FLAGS is None:
-    del os.environ["XLA_FLAGS"]
-else:
-    os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # The suite's own programs (its process, and the snippets it runs with N devices) compile with
 # LLVM's optimisations off and XLA's elemental emitters: four times as fast (conftest.py). The
-# commands a user runs are run with the flags the suite was started with.
+# README's and docs' commands are run with the flags the suite was started with.
 SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 

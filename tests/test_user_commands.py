@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from processes import SUITE_XLA_FLAGS
 
 from jaxgpt import sharding
 
@@ -35,14 +36,17 @@ def readme_line(pattern: str) -> list[str]:
     return shlex.split(line.split("&&")[-1], comments=True)
 
 
-def run(argv: list[str], cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+def run(argv: list[str], cwd: Path, *extra: str, suite_flags: bool = False) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS… EXTRA…` run in `cwd` as a user's shell would, on the machine's own
-    devices: scripts and configs are the repository's, run directories land under `cwd`."""
+    devices: scripts and configs are the repository's, run directories land under `cwd`. With
+    `suite_flags` (a command of the tests' own, not the docs'), it compiles as the suite does."""
     assert argv[0] == "python", argv
     args = [str(ROOT / a) if a.endswith(".py") and (ROOT / a).exists() else a for a in argv[1:]]
     args = [re.sub(r"^--config=(configs/.*)", lambda m: f"--config={ROOT / m[1]}", a) for a in args]
     env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env |= {"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(cwd / "cache")}
+    if suite_flags:
+        env["XLA_FLAGS"] = SUITE_XLA_FLAGS
     return subprocess.run([sys.executable, *args, *extra], cwd=cwd, capture_output=True, text=True, timeout=600,
                           env=env, stdin=subprocess.DEVNULL)
 
@@ -133,7 +137,8 @@ def scanned_source(tmp_path_factory):
     home = tmp_path_factory.mktemp("scanned_source")
     (home / "corpus.txt").write_text(corpus_text())
     source = run(TRAIN_PLUS, home, *EVERY_SWITCH, "--config.compute.scan_layers=True", "--config.train.steps=2",
-                 "--config.run_dir=runs/source", "--config.sample.max_new_tokens=0")  # the tuned run samples
+                 "--config.run_dir=runs/source", "--config.sample.max_new_tokens=0",  # the tuned run samples
+                 suite_flags=True)
     assert source.returncode == 0, source.stderr[-3000:]
     return home
 
@@ -147,7 +152,7 @@ def test_init_from_a_scanned_run_with_every_speedrun_switch_starts_from_its_weig
 
     home, tuned_dir = scanned_source, "runs/tuned"
     tuned = run(TRAIN_PLUS, home, "--config.init_from=runs/source", "--config.compute.scan_layers=False",
-                "--config.train.steps=2", *FROZEN, f"--config.run_dir={tuned_dir}")
+                "--config.train.steps=2", *FROZEN, f"--config.run_dir={tuned_dir}", suite_flags=True)
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert f"--- sample (run directory {tuned_dir}) ---" in tuned.stdout
     before, after = load_run(home / "runs/source")[0], load_run(home / tuned_dir)[0]
