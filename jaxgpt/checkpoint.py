@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jaxgpt import programs
 from jaxgpt.errors import one_line
 
 log = logging.getLogger(__name__)
@@ -117,10 +118,23 @@ def _add_add_or(a: tuple, b: tuple) -> tuple:
     return a[0] + b[0], a[1] + b[1], a[2] | b[2]
 
 
-@jax.jit
 def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
     """[n_leaves, 3] uint32: the checksums of leaves that share one set of devices."""
     return jnp.stack([_tensor_sums(x) for x in leaves])
+
+
+_CHECKSUM_PROGRAMS: dict = {}  # description of the leaves (their devices included) → _device_checksums compiled
+
+
+def _checksum_program(leaves: list[jax.Array]) -> jax.stages.Compiled:
+    """_device_checksums compiled for leaves like these, on their devices: once per state structure
+    in a process; within programs.keeping (train.py, eval.py) kept and read back untraced, as the
+    train step is (a warm 1-step run of the CPU recipe traced it for 0.28 s)."""
+    description = repr(("checksums", programs.abstract(leaves)))
+    if description not in _CHECKSUM_PROGRAMS:
+        _CHECKSUM_PROGRAMS[description] = programs.compiled(description, "checksums", lambda name: jax.jit(
+            programs.renamed(_device_checksums, name)).lower(leaves)).result()
+    return _CHECKSUM_PROGRAMS[description]
 
 
 def _device_groups(leaves: list[jax.Array]) -> list[list[int]]:
@@ -139,8 +153,9 @@ def tree_checksums(tree) -> dict[str, list[int]]:
     leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf) for _, leaf in flat]
     sums = [[]] * len(leaves)
     for group in _device_groups(leaves):
+        chosen = [leaves[i] for i in group]
         with jax.set_mesh(None):  # run where the leaves are, whatever mesh the caller has set
-            on_device = _device_checksums([leaves[i] for i in group])
+            on_device = _checksum_program(chosen)(chosen)
         for i, row in zip(group, jax.device_get(on_device).tolist(), strict=True):
             sums[i] = row
     return {jax.tree_util.keystr(path): row for (path, _), row in zip(flat, sums, strict=True)}

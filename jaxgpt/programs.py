@@ -17,10 +17,11 @@ A change to any of them lowers and compiles again. The program is then named wit
 (renamed), so XLA compiles it in the process rather than JAX's cache answering for it: only such
 a program can be kept. Programs are kept beside JAX's cache (in its directory, under programs/),
 only where that cache is on, only by a single-process run, and only within `keeping`: the
-commands whose process runs what their files say (train.py's init, train step and eval step,
-eval.py's eval step; a notebook may change a function in memory, which no
-file shows). A value a trace finds (the params' declarations) is kept the same way (kept_value).
-A kept program that cannot be read back is compiled again: never an error.
+commands whose process runs what their files say (train.py's init, train step, eval step and
+checkpoint checksums, eval.py's eval step and checksums; a notebook may change a function in memory,
+which no file shows). A description names each leaf's devices: a program is read back only for
+arrays on the devices it was compiled for. A value a trace finds (the params' declarations) is
+kept the same way (kept_value). A kept program that cannot be read back is compiled again: never an error.
 """
 
 from __future__ import annotations
@@ -168,10 +169,14 @@ def _done(value) -> Future:
 
 
 def _read(path: Path) -> jax.stages.Compiled | None:
-    """The program kept at `path`, or None: unreadable, truncated, from another jaxlib."""
+    """The program kept at `path`, or None: unreadable, truncated, from another jaxlib. It runs on
+    the devices it was compiled for, in their order (loaded without them, it would expect every
+    device of the process: a program of one device's leaves, or of a mesh of some, would not run)."""
     with contextlib.suppress(Exception):
-        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+        by_id = {device.id: device for device in jax.devices()}
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                         execution_devices=[by_id[i] for i in device_ids])
     return None
 
 
@@ -197,12 +202,14 @@ def compile_and_keep(key: str | None, lowered: jax.stages.Lowered) -> jax.stages
 
 
 def keep(key: str | None, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
-    """Keep `compiled` (which XLA compiled in this process) under `key`; returns it. A program
-    that cannot be written is simply not kept."""
+    """Keep `compiled` (which XLA compiled in this process) under `key`, with the ids of the devices
+    it runs on (a single-process program: its local devices); returns it. A program that cannot be
+    written is simply not kept."""
     where = folder()
     if key is not None and where is not None:
         with contextlib.suppress(Exception):  # not serialisable here: the run goes on without it
-            _write_whole(where / f"{key}.pickle", pickle.dumps(serialize_executable.serialize(compiled),
+            devices = [device.id for device in compiled._executable.xla_executable.local_devices()]
+            _write_whole(where / f"{key}.pickle", pickle.dumps((*serialize_executable.serialize(compiled), devices),
                                                                protocol=pickle.HIGHEST_PROTOCOL))
     return compiled
 

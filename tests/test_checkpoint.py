@@ -91,11 +91,11 @@ def test_checksums_copy_no_tensor_to_the_host():
 def test_the_checksum_program_is_compiled_once_per_state_structure(tmp_path):
     checkpoints = Checkpoints(tmp_path, keep=5, async_save=False)
     checkpoints.save(1, state(1.0))
-    compiled = checkpoint._device_checksums._cache_size()  # the programs jit holds for it
+    compiled = len(checkpoint._CHECKSUM_PROGRAMS)  # the programs compiled for it
     for step in (2, 3):
         checkpoints.save(step, state(float(step)))
     checkpoints.close()
-    assert checkpoint._device_checksums._cache_size() == compiled
+    assert len(checkpoint._CHECKSUM_PROGRAMS) == compiled
 
 
 def test_a_non_finite_state_is_never_saved_and_the_tensor_is_named(tmp_path):
@@ -248,13 +248,28 @@ with jax.set_mesh(jax.make_mesh((8,), ("data",))):
     restored, step = checkpoints.restore(single, step=5)
     assert tree_checksums(restored) == tree_checksums(values)
 checkpoints.close()
+# within programs.keeping (train.py, eval.py) the checksum program is kept, and read back only for leaves
+# on the devices it was compiled for
+from pathlib import Path
+from jaxgpt import checkpoint, programs
+jax.config.update("jax_compilation_cache_dir", str(Path(sys.argv[1]) / "xla"))
+expected = tree_checksums(values)
+with programs.keeping():
+    for device in jax.devices()[:3] * 2:
+        checkpoint._CHECKSUM_PROGRAMS.clear()  # what this process compiled: only kept ones are left
+        assert tree_checksums(jax.device_put(values, device)) == expected, device
+    sharded = placed((4, 2), P("a", "b"), P("a"))
+    checkpoint._CHECKSUM_PROGRAMS.clear()
+    assert tree_checksums(sharded) == expected
+assert len(list((Path(sys.argv[1]) / "xla" / programs.FOLDER).glob("*.pickle"))) == 4
 print("ok")
 """
 
 
 def test_a_checkpoint_saved_on_one_mesh_restores_intact_onto_others(tmp_path):
     """Checksums of a tensor sharded over 8 devices (4×2) equal those on other meshes and on
-    one device, so its restore onto each passes the check, also under a mesh of other devices."""
+    one device, so its restore onto each passes the check, also under a mesh of other devices; a
+    kept checksum program is read back only for leaves on the devices it was compiled for."""
     assert finished(with_devices(EIGHT_DEVICES, tmp_path, devices=8)) == "ok"
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from runs import tiny_config, write_corpus
 
-from jaxgpt import platforms, programs
+from jaxgpt import checkpoint, platforms, programs
 from jaxgpt.train import evaluation
 from jaxgpt.train import run as run_module
 
@@ -22,7 +22,8 @@ def kept_in(tmp_path, monkeypatch):
     """Programs kept under tmp_path/xla/programs for this test, and the names of the programs
     lowered (train_step, init, eval_step), in order."""
     monkeypatch.setattr(programs, "folder", lambda: tmp_path / "xla" / programs.FOLDER)
-    monkeypatch.setattr(evaluation, "_EVAL_STEPS", {})  # eval steps this process made for other tests
+    monkeypatch.setattr(evaluation, "_EVAL_STEPS", {})  # eval steps and checksums this process made for other tests
+    monkeypatch.setattr(checkpoint, "_CHECKSUM_PROGRAMS", {})
     lowered = []
     original = programs.compiled
 
@@ -41,14 +42,15 @@ def trained(tmp_path, name, **changes):
     return result, jax.tree.leaves(params)
 
 
-EVERY = ["train_step", "init", "eval_step"]
+# and the checksums of the state saved and of the params load_run restores (that one outside keeping)
+EVERY = ["train_step", "init", "eval_step", "checksums", "checksums"]
 
 
 def test_a_repeated_run_loads_its_programs_without_tracing_and_ends_bit_for_bit(tmp_path, kept_in):
     folder, lowered = kept_in
     write_corpus(tmp_path / "corpus.txt")
     first, first_params = trained(tmp_path, "first")
-    assert sorted(lowered) == sorted(EVERY) and len(list(folder.glob("*.pickle"))) == 3
+    assert sorted(lowered) == sorted(EVERY) and len(list(folder.glob("*.pickle"))) == 4
     again, again_params = trained(tmp_path, "again")
     assert sorted(lowered) == sorted(EVERY)  # nothing traced: the kept programs ran
     assert again["train_loss"] == first["train_loss"] and again["val_loss"] == first["val_loss"]
@@ -56,7 +58,7 @@ def test_a_repeated_run_loads_its_programs_without_tracing_and_ends_bit_for_bit(
     seeded, _ = trained(tmp_path, "seeded", **{"train.seed": 7, "train.eval_every": 2})  # no program reads these
     assert sorted(lowered) == sorted(EVERY) and seeded["train_loss"] != first["train_loss"]
     other, _ = trained(tmp_path, "other", **{"train.lr": 3.21e-3})  # another setting: another step and init
-    assert sorted(lowered[3:]) == ["init", "train_step"] and len(list(folder.glob("*.pickle"))) == 5
+    assert sorted(lowered[5:]) == ["init", "train_step"] and len(list(folder.glob("*.pickle"))) == 6
     assert other["train_loss"] != first["train_loss"]
 
 
@@ -72,10 +74,10 @@ def test_programs_whose_key_changed_are_compiled_and_kept_though_jax_cache_holds
     trained(tmp_path, "first", **alone)
     monkeypatch.setitem(platforms.STARTED_WITH, "JAXGPT_TEST_START", "another")
     trained(tmp_path, "second", **alone)
-    # the eval step, which this process holds already, is not made again
-    assert sorted(lowered) == sorted([*EVERY, "train_step", "init"]) and len(list(folder.glob("*.pickle"))) == 5
+    # the eval step and the checksums, which this process holds already, are not made again
+    assert sorted(lowered) == sorted([*EVERY, "train_step", "init"]) and len(list(folder.glob("*.pickle"))) == 6
     trained(tmp_path, "third", **alone)
-    assert len(lowered) == 5
+    assert len(lowered) == 7
 
 
 def test_a_kept_program_that_cannot_be_read_is_compiled_again(tmp_path, kept_in):
