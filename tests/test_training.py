@@ -230,8 +230,8 @@ def test_a_repeated_run_loads_its_programs_from_the_compilation_cache(tmp_path):
     written = programs()
     assert len(written) >= 3  # init, train step, eval step, sampling…
     kept = {p.name: p.stat().st_mtime_ns for p in (cache / "programs").iterdir()}
-    programs_kept = [name for name in kept if name.endswith(".pickle")]  # train step, init, eval step
-    assert len(programs_kept) == 3 and len(kept) == 4  # and the params' declarations (.value)
+    programs_kept = [name for name in kept if name.endswith(".pickle")]  # train step, init, eval step, checksums
+    assert len(programs_kept) == 4 and len(kept) == 5  # and the params' declarations (.value)
     second = subprocess.run([*args, f"--config.run_dir={tmp_path / 'b'}"], capture_output=True, text=True, env=env,
                             timeout=240)
     assert second.returncode == 0, second.stderr[-2000:]
