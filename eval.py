@@ -218,6 +218,15 @@ def use_every_core(args) -> None:
         use_cpu_cores(ROWS_MESH, [eval_batch_size(args, saved if isinstance(saved, dict) else {})])
 
 
+def over_devices(params, batch_size: int):
+    """(a mesh of the devices that split a batch's rows, the params whole on each of them):
+    the loss passes over a split run with the rows of each batch on all cores at once."""
+    from jaxgpt import sharding
+
+    mesh = sharding.rows_mesh(batch_size)
+    return mesh, sharding.replicated(params, mesh)
+
+
 def data_config(args, saved: dict, split: str) -> dict:
     """The data settings to prepare (with the model's own tokenizer): the run's own (if any),
     --data as the only source when given, and no held-out part for 'all'."""
@@ -288,11 +297,11 @@ def evaluate(args) -> dict:
         def on_batch(done: int, _total: int) -> None:
             bar.update(done - bar.n)
 
-        mesh = sharding.rows_mesh(batch_size)
+        mesh, spread = over_devices(params, batch_size)
         with jax.set_mesh(mesh):
-            result = evaluate_tokens(config, sharding.replicated(params, mesh), tokens, bytes_per_token,
-                                     batch_size=batch_size, stride=stride, max_batches=args.max_batches,
-                                     on_batch=on_batch, ignore_id=tokenizer.unk_id if args.mask_unknown else None,
+            result = evaluate_tokens(config, spread, tokens, bytes_per_token, batch_size=batch_size, stride=stride,
+                                     max_batches=args.max_batches, on_batch=on_batch,
+                                     ignore_id=tokenizer.unk_id if args.mask_unknown else None,
                                      batch_sharding=sharding.batch_sharding(mesh))
     calibrated = calibrate(args, config, params, tokens, batch_size, stride) if args.calibration else {}
     return {
@@ -383,10 +392,10 @@ def records_loss(args, params, config, tokenizer, examples, data_section: dict, 
     records = DataConfig.from_mapping(data_section).records  # a run's saved data section, old or new
     layout = data.plan(examples, config.block_size, records.packing, records.truncate)
     total = data.num_eval_rows(layout, batch_size)
-    mesh = sharding.rows_mesh(batch_size)
+    mesh, spread = over_devices(params, batch_size)
     with tqdm(total=min(total, args.max_batches or total), unit="batch", desc="eval", file=sys.stderr,
               dynamic_ncols=True, mininterval=0.5) as bar, jax.set_mesh(mesh):
-        return evaluate_examples(config, sharding.replicated(params, mesh), examples, layout, bytes_per_token,
+        return evaluate_examples(config, spread, examples, layout, bytes_per_token,
                                  batch_size=batch_size, max_batches=args.max_batches,
                                  on_batch=lambda done, _: bar.update(done - bar.n),
                                  ignore_id=tokenizer.unk_id if args.mask_unknown else None,

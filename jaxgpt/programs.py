@@ -208,7 +208,7 @@ def keep(key: str | None, compiled: jax.stages.Compiled) -> jax.stages.Compiled:
     where = folder()
     if key is not None and where is not None:
         with contextlib.suppress(Exception):  # not serialisable here: the run goes on without it
-            devices = [device.id for device in compiled._executable.xla_executable.local_devices()]
+            devices = [device.id for device in compiled.runtime_executable().local_devices()]
             _write_whole(where / f"{key}.pickle", pickle.dumps((*serialize_executable.serialize(compiled), devices),
                                                                protocol=pickle.HIGHEST_PROTOCOL))
     return compiled
