@@ -166,10 +166,14 @@ def use_cpu_cores(mesh_cfg, batch_sizes, processes: int = 1) -> int:
 
 
 def start_jax(config) -> None:
-    """Set JAX up for a run, once, before its first operation: one CPU device per core
-    (mesh.cpu_devices, see use_cpu_cores) and multi-host JAX (distributed.*, see
-    initialize_distributed). train.py calls this; a library caller that wants either calls
-    it before touching JAX. Nothing else in jaxgpt changes JAX's global settings."""
+    """Set JAX up for a run, once, before its first operation: the xla_flags preset's flags
+    (jaxgpt.platforms.xla_flags), one CPU device per core (mesh.cpu_devices, see use_cpu_cores)
+    and multi-host JAX (distributed.*, see initialize_distributed). train.py calls this; a
+    library caller that wants any of them calls it before touching JAX. Nothing else in jaxgpt
+    changes JAX's global settings."""
+    from jaxgpt.platforms.xla_flags import use_xla_flags
+
+    use_xla_flags(config.get("xla_flags", "default"))
     dist = config.distributed
     processes = int(dist.num_processes or os.environ.get("JAX_NUM_PROCESSES") or 1)
     train = config.train  # a batch_size of 0 is chosen later (jaxgpt.train.micro_batch): the rows it comes from

@@ -23,7 +23,8 @@ PACKAGE = ROOT / "jaxgpt"
 LAYERS = (
     ("errors", "files", "lazy", "ops", "blocks", "axes", "platforms"),
     # blocks: their names and layer layouts; axes: the mesh's names; platforms: JAX's
-    ("platforms.forms",),  # the equations' platform forms: ops computed another way, named by the compute config
+    # the equations' platform forms: ops computed another way, named by the compute config; XLA's named flag sets
+    ("platforms.forms", "platforms.xla_flags"),
     # the schema beneath the code: the model's and the data's sections, the rows of each step; it names no
     # implementation (the names a key may take are checked where a config is opened: registries)
     ("model_config", "data_config", "batch_schedule"),

@@ -152,6 +152,7 @@ def test_train_py_end_to_end_then_sample(tmp_path, corpus):
     ("--config.train.eval_every=0", "train.eval_every=0: must be a positive integer"),
     ("--config.train.lr=-0.1", "train.lr=-0.1: must be a number ≥ 0"),
     ("--config.train.steps=many", "steps"),
+    ("--config.xla_flags=fast", "xla_flags='fast' is no flag preset: use one of default, cublas"),
 ])
 def test_train_py_bad_override_is_a_one_line_error(tmp_path, corpus, override, message, capsys):
     """As a user's shell runs it (its whole stderr one line); the overrides train.py's own parse

@@ -37,6 +37,7 @@ from jaxgpt.compile import gpus
 from jaxgpt.compile.table import GiB, budget_name, format_report, size
 from jaxgpt.errors import stderr_kept
 from jaxgpt.platforms import tpu_present
+from jaxgpt.platforms.xla_flags import use_xla_flags
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.py"
 INSTALL = "pip install -e '.[tpu]'"
@@ -480,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxgpt.cli import parse_config
 
         config = parse_config(config_argv, DEFAULT_CONFIG)
+        use_xla_flags(config.get("xla_flags", "default"))  # they change what XLA compiles, for any target
         if "json" in options:
             check_writable(options["json"])
         tidy_cli_output()
