@@ -10,12 +10,14 @@ with GPT-2 small (docs/SCALE.md, "XLA's flags"). None made it train or sample fa
 preset config runs with 'default' (XLA's own choices); the others are there for what they trade:
 cuDNN's LayerNorm keeps 1.1 GiB less of the step's memory for 0.5% of its speed. XLA only knows
 its GPU flags by name (a CPU or TPU process ignores them); a flag an installed XLA does not know
-ends the process, so tests/test_xla_flags.py starts JAX with each preset.
+ends the process, so tests/test_xla_flags.py starts JAX with every preset's flags.
 """
 
 from __future__ import annotations
 
 import os
+
+from jaxgpt.errors import ConfigError
 
 PRESETS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -30,8 +32,6 @@ PRESETS: dict[str, tuple[str, ...]] = {
 
 def flags_for(name: str) -> tuple[str, ...]:
     """The flags of preset `name`; an unknown name is a one-line ConfigError."""
-    from jaxgpt.errors import ConfigError
-
     if name not in PRESETS:
         raise ConfigError(f"xla_flags={name!r} is no flag preset: use one of {', '.join(PRESETS)} "
                           "(jaxgpt/platforms/xla_flags.py), or set XLA_FLAGS yourself")
