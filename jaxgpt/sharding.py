@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxgpt.axes import AXES, BATCH_AXES
+from jaxgpt.platforms.xla_flags import use_xla_flags
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
@@ -171,8 +172,6 @@ def start_jax(config) -> None:
     and multi-host JAX (distributed.*, see initialize_distributed). train.py calls this; a
     library caller that wants any of them calls it before touching JAX. Nothing else in jaxgpt
     changes JAX's global settings."""
-    from jaxgpt.platforms.xla_flags import use_xla_flags
-
     use_xla_flags(config.get("xla_flags", "default"))
     dist = config.distributed
     processes = int(dist.num_processes or os.environ.get("JAX_NUM_PROCESSES") or 1)
